@@ -1,0 +1,131 @@
+"""
+Override a training script's config globals from config files and --key=value flags.
+
+A script defines its settings as plain globals (int/float/bool/str/tuple/None), then calls
+configure() once, before any expensive work:
+
+    batch_size = 12      # micro-batch size per process
+    compile = True       # use torch.compile
+    ...
+    from configurator import configure
+    config = configure(globals())  # final {key: value}, for logging and checkpoints
+
+    $ python qat_train.py config/tiny.py --batch_size=8 --compile=False
+
+Arguments apply left to right, so later ones win. A positional argument is a Python file
+exec'd with the current settings in scope; the settings it assigns are copied back (modules,
+functions, classes and _private names it defines are ignored). A --key=value flag is split on
+the first "=" and its value parsed with ast.literal_eval, falling back to the raw string.
+Unknown keys and values whose type does not match the default are errors; -h/--help lists
+the settings. apply_config() raises ConfigError (for tests); configure() prints it and exits 2.
+"""
+
+import ast
+import builtins
+import difflib
+import os
+import sys
+import types
+
+CONFIG_TYPES = (int, float, bool, str, tuple, type(None))
+
+
+class ConfigError(Exception):
+    pass
+
+
+def config_keys(globals_dict):
+    """The settings a script defines: public globals holding plain values, in script order."""
+    return [k for k, v in globals_dict.items() if not k.startswith("_") and isinstance(v, CONFIG_TYPES)]
+
+
+def _unknown(key, keys, path=None):
+    dashes = "" if path else "--"  # name it the way the user wrote it
+    close = difflib.get_close_matches(key, keys, n=1)
+    hint = f"did you mean {dashes}{close[0]}?" if close else "run with --help to list the settings."
+    where = f"config file '{path}' sets unknown setting" if path else "unknown setting"
+    return ConfigError(f"{where} {dashes}{key}; {hint}")
+
+
+def _convert(value, default, raw, where):
+    """Return value converted to the default's type, or raise. raw is the CLI text, if any."""
+    if default is None or type(value) is type(default):
+        return value  # a None default means "no type": anything goes
+    # exact types on purpose: bool subclasses int, yet True is no batch size and 1 no flag
+    if type(default) is float and type(value) is int:
+        return float(value)
+    if type(default) is tuple and type(value) is list:
+        return tuple(value)
+    if type(default) is str and raw is not None:
+        return raw  # --out_dir=123 means the directory "123", --dtype=None the string "None"
+    raise ConfigError(f"{where} expects {type(default).__name__} (default {default!r}), "
+                      f"got {type(value).__name__} {value!r}")
+
+
+def _print_config(keys, defaults, globals_dict):
+    width = max(map(len, keys), default=0)
+    for k in keys:
+        v, d = globals_dict[k], defaults[k]
+        changed = type(v) is not type(d) or v != d
+        print(f"{k:<{width}} = {v!r}" + (f"  (was {d!r})" if changed else ""))
+
+
+def apply_config(globals_dict, keys, argv=None, master_process=None, print_config=True):
+    """Apply argv (default sys.argv[1:]) to the settings `keys` of globals_dict, in place.
+
+    Returns the final {key: value} in script order. Prints it when print_config and this is
+    the master process (default: env RANK unset or "0"). Raises ConfigError on bad input.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if master_process is None:
+        master_process = os.environ.get("RANK", "0") == "0"
+    keys = list(keys)
+    defaults = {k: globals_dict[k] for k in keys}
+    if "-h" in argv or "--help" in argv:
+        width = max(map(len, keys), default=0)
+        print("usage: python script.py [config_file.py ...] [--key=value ...]\nsettings (default):")
+        for k in keys:
+            print(f"  {k:<{width}} = {defaults[k]!r}")
+        sys.exit(0)
+
+    for arg in argv:
+        if arg.startswith("--"):
+            if "=" not in arg:
+                raise ConfigError(f"expected --key=value, got '{arg}'; add '=' and a value")
+            key, raw = arg[2:].split("=", 1)
+            if key not in defaults:
+                raise _unknown(key, keys)
+            try:
+                value = ast.literal_eval(raw)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                value = raw  # --init_from=resume: a bare word is a string
+            globals_dict[key] = _convert(value, defaults[key], raw, f"--{key}")
+        else:
+            if not os.path.isfile(arg):
+                raise ConfigError(f"config file '{arg}' not found; check the path")
+            with open(arg) as f:
+                code = compile(f.read(), arg, "exec")
+            # a fresh namespace, so the file sees the current settings but cannot clobber
+            # the script's imports or helpers; we pick out only the settings afterwards
+            ns = {k: globals_dict[k] for k in keys}
+            ns.update(__builtins__=builtins, __file__=arg, __name__="__config__")
+            exec(code, ns)
+            for name, value in ns.items():
+                if name.startswith("_") or isinstance(value, types.ModuleType) or callable(value):
+                    continue  # import math, def helper(), class X, _tmp: the file's own business
+                if name not in defaults:
+                    raise _unknown(name, keys, arg)
+                globals_dict[name] = _convert(value, defaults[name], None, f"{name} in '{arg}'")
+
+    if print_config and master_process:
+        _print_config(keys, defaults, globals_dict)
+    return {k: globals_dict[k] for k in keys}
+
+
+def configure(globals_dict, argv=None, print_config=True):
+    """The call a script makes: config = configure(globals()). Exits 2 with a one-line error."""
+    try:
+        return apply_config(globals_dict, config_keys(globals_dict), argv, print_config=print_config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

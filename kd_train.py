@@ -1,0 +1,750 @@
+"""
+Knowledge distillation (KD) of a Llama-family student from a teacher, with FSDP2, in one file.
+
+One process (CPU or one GPU): distill the tiny base model into a smaller student
+$ python kd_train.py config/tiny_kd.py
+Several GPUs, e.g. a Llama-2-7B teacher into a TinyLlama-1.1B student with LoRA:
+$ torchrun --standalone --nproc_per_node 8 kd_train.py config/llama_kd.py
+Quantization-aware self-distillation (QAD): the student is fake-quantized, the teacher is the
+same model in full precision
+$ python kd_train.py config/tiny_qad.py
+
+The student learns from the labels and from the teacher's whole next-token distribution:
+loss = (1 - kd_ratio) * CE(student, labels) + kd_ratio * T^2 * D(teacher || student) at
+temperature T, with D one of forward KL, reverse KL, symmetric KL or generalized Jensen-Shannon.
+Both models' logits are computed a chunk of tokens at a time, so neither full-vocabulary fp32
+logits tensor ever exists. The teacher is sharded like the student, runs under no_grad and
+holds no optimizer state.
+"""
+
+import json
+import logging
+import math
+import os
+import re
+import resource
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed._composable import checkpoint as activation_checkpoint
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+logging.getLogger("torchao").setLevel(logging.ERROR)  # silences notes about GPU-only kernels
+from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
+from torchao.quantization.qat import QATConfig
+
+from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, adapter_state_dict, export_hf, export_meta,
+                   flops_per_token, load_checkpoint, mark_only_lora_trainable, merge_lora, save_adapter,
+                   to_lora_keys)
+
+# -----------------------------------------------------------------------------
+# I/O
+out_dir = "out/kd"  # ckpt.pt, model.pt, log.jsonl (and adapter/, quantized.pt) go here
+data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from data_prep.py
+teacher_init = "out/base/ckpt.pt"  # the teacher: a nanotune checkpoint or a Meta / HF directory
+init_from = "scratch"  # the student: 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint / directory
+eval_interval = 100  # steps between validation estimates
+eval_iters = 20  # batches per validation estimate; the final evaluation uses the whole split
+log_interval = 10  # steps between log lines (the only steps that sync with the device)
+ckpt_interval = 500  # steps between checkpoints; one is always written at the end
+save_adapter_only = False  # with LoRA: save the adapters alone, not the merged student
+export_format = "none"  # also write the merged student as a 'meta' or 'hf' directory ('none': no)
+wandb_log = False  # also log to Weights & Biases (imported only then)
+wandb_project = "nanotune"
+wandb_run_name = "kd"
+# student model, for init_from='scratch'
+preset = "tiny-student"  # a name from model.PRESETS
+n_layer = None  # None: the preset's value
+n_head = None
+n_kv_head = None
+n_embd = None
+# distillation
+kd_loss = "fkl"  # 'fkl' forward KL, 'rkl' reverse KL, 'skl' symmetric KL, 'jsd' generalized Jensen-Shannon
+kd_ratio = 0.5  # weight of the KD term; 1 - kd_ratio goes to cross-entropy with the labels
+kd_temperature = 1.0  # softens both distributions; the KD term is scaled by T^2 to keep its gradient size
+jsd_beta = 0.5  # the JSD's teacher weight in the mixture; -> 0 gives forward KL, -> 1 reverse KL
+# LoRA (0: full finetune)
+lora_rank = 0
+lora_alpha = 16.0
+lora_dropout = 0.0
+lora_targets = ("wq", "wk", "wv", "wo")  # any of wq wk wv wo w1 w2 w3 output
+# quantization-aware distillation (as in qat_train.py)
+quantizer = "none"  # 'none', '8daNw' (int8 dynamic activations, intN weights) or 'Nw' (weight-only), N in 2..8
+group_size = 32  # weights share one scale per group of this many input channels
+fake_quant_after_n_steps = 0  # train in full precision until this step, then fake-quantize
+quantize_embedding = False  # also fake-quantize the token embedding (weight-only, same bits)
+quant_skip = ()  # module names left in full precision, e.g. ('output', 'layers.0.')
+# data and batch
+batch_size = 16  # micro-batch size per process
+block_size = 128  # tokens per sequence
+gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all processes
+# optimizer and schedule
+max_iters = 300  # optimizer steps
+learning_rate = 1e-3  # peak learning rate
+min_lr = 1e-4  # the cosine decays to this at lr_decay_iters
+lr_decay_iters = None  # None: max_iters; set it to stop a run early on the schedule of a longer one
+warmup_iters = 30  # linear warmup steps
+weight_decay = 0.1  # applied to matrices only
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip the global gradient norm to this; float('inf') logs it without clipping
+# system
+device = "cpu"  # 'cpu' or 'cuda'
+dtype = "float32"  # 'float32' or 'bfloat16'
+mixed_precision = False  # with bfloat16: fp32 master weights and reductions, bf16 compute
+compile = False  # torch.compile each transformer block and the loss
+activation_checkpointing = 0  # recompute activations of every k-th student block in backward (0: off)
+activation_offloading = False  # keep saved activations in pinned CPU memory (CUDA only)
+cpu_offload = False  # keep parameters, gradients and optimizer state on the CPU (CUDA only)
+reshard_after_forward = True  # free gathered parameters after forward (less memory, more traffic)
+profile = False  # write a torch.profiler trace to out_dir
+profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in steps
+peak_flops = None  # per device, for MFU; None: a table for known GPUs, a measured matmul on CPU
+seed = 1337
+# -----------------------------------------------------------------------------
+from configurator import configure
+
+config = configure(globals())
+
+# derived values and checks: every mistake a user can make fails here, before any real work
+ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+master_process = rank == 0
+
+
+def fail(msg):
+    if master_process:
+        print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_quantizer(name):
+    """'8da4w' -> (activation bits 8, weight bits 4); '3w' -> (None, 3); 'none' -> None."""
+    if name == "none":
+        return None
+    m = re.fullmatch(r"(8da)?([2-8])w", name)
+    if not m:
+        fail(f"quantizer={name!r} is unknown; use 'none', '8daNw' (e.g. '8da4w') or 'Nw' (e.g. '4w'), N from 2 to 8")
+    return (8 if m.group(1) else None), int(m.group(2))
+
+
+qscheme = parse_quantizer(quantizer)
+if kd_loss not in ("fkl", "rkl", "skl", "jsd"):
+    fail(f"kd_loss={kd_loss!r} is unknown; use 'fkl', 'rkl', 'skl' or 'jsd'")
+if not 0.0 <= kd_ratio <= 1.0:
+    fail(f"kd_ratio={kd_ratio} must lie in [0, 1]")
+if kd_temperature <= 0:
+    fail(f"kd_temperature={kd_temperature} must be positive")
+if not 0.0 <= jsd_beta <= 1.0:
+    fail(f"jsd_beta={jsd_beta} must lie in [0, 1]")
+if lora_rank and qscheme is not None:
+    fail("quantizer with lora_rank > 0 is not supported: fake quant would see the base weights but conversion the merged ones; use a full finetune (lora_rank=0) for QAD")
+if save_adapter_only and not lora_rank:
+    fail("save_adapter_only=True needs LoRA adapters; set lora_rank > 0")
+if export_format not in ("none", "meta", "hf"):
+    fail(f"export_format={export_format!r} is unknown; use 'none', 'meta' or 'hf'")
+if dtype not in ("float32", "bfloat16"):
+    fail(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16' (float16 needs loss scaling, which this loop omits)")
+if mixed_precision and dtype != "bfloat16":
+    fail("mixed_precision=True needs dtype='bfloat16' (it computes in bf16 over fp32 master weights)")
+if device not in ("cpu", "cuda"):
+    fail(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
+if device == "cuda" and not torch.cuda.is_available():
+    fail("device='cuda' but no CUDA device is visible; use --device=cpu")
+if device == "cpu" and (cpu_offload or activation_offloading):
+    fail("cpu_offload and activation_offloading move data off a GPU; they need device='cuda'")
+if gradient_accumulation_steps % world_size:
+    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
+if init_from == "resume" and not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+    fail(f"init_from='resume' but {os.path.join(out_dir, 'ckpt.pt')} does not exist; train first or pass a checkpoint path")
+for name, path in (("init_from", init_from), ("teacher_init", teacher_init)):
+    if path not in ("scratch", "resume") and not os.path.exists(path):
+        fail(f"{name}={path!r} does not exist; give a nanotune checkpoint or a Meta / HF directory")
+if init_from == "scratch" and preset not in PRESETS:
+    fail(f"preset={preset!r} is unknown; choose from {sorted(PRESETS)}")
+for name in ("train.bin", "val.bin", "meta.json"):
+    if not os.path.exists(os.path.join(data_dir, name)):
+        fail(f"{os.path.join(data_dir, name)} is missing; run data_prep.py --out_dir {data_dir} first")
+with open(os.path.join(data_dir, "meta.json")) as f:
+    data_meta = json.load(f)
+
+
+def load_or_fail(path):
+    try:  # mmap: the weights are paged in as they are copied out, never held twice
+        args, state = load_checkpoint(path)
+    except ValueError as e:
+        fail(str(e))
+    if args.lora_rank:  # a LoRA student of an earlier run: start from its merged weights
+        state = merge_lora(state, args)
+        args.lora_rank = 0
+    return args, state
+
+
+# the student's shape: from the checkpoint, or from the preset and overrides; then our LoRA
+resume_path = os.path.join(out_dir, "ckpt.pt")
+init_state, ckpt = None, {}
+if init_from == "resume":
+    # our own checkpoint: model (adapters included), optimizer and position
+    ckpt = torch.load(resume_path, map_location="cpu", mmap=True, weights_only=True)
+    model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt["model"]
+    if (model_args.lora_rank, ckpt["config"]["quantizer"]) != (lora_rank, quantizer):
+        fail(f"{resume_path} was trained with lora_rank={model_args.lora_rank}, quantizer={ckpt['config']['quantizer']!r}; resume with the same settings")
+elif init_from == "scratch":
+    shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
+    for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
+        if value is not None:
+            shape[key] = value
+    model_args = ModelArgs(**shape)
+else:
+    model_args, init_state = load_or_fail(init_from)
+if init_from != "resume":
+    model_args.lora_rank, model_args.lora_alpha = lora_rank, lora_alpha
+    model_args.lora_dropout, model_args.lora_targets = lora_dropout, tuple(lora_targets)
+    try:
+        model_args.__post_init__()  # validates the LoRA targets
+    except ValueError as e:
+        fail(str(e))
+teacher_args, teacher_state = load_or_fail(teacher_init)
+# checkpoints with tied embeddings load with output.weight a copy of the embedding; FSDP
+# shards the two in separate units, so they are trained (and saved) untied
+model_args.tie_embeddings = teacher_args.tie_embeddings = False
+
+# vocabularies: rows past the tokenizer's size are padding and are sliced off; more rows than
+# padding would explain means the two models were trained with different tokenizers
+n_vocab = data_meta["vocab_size"]
+for who, args in (("student", model_args), ("teacher", teacher_args)):
+    if args.vocab_size < n_vocab:
+        fail(f"the data in {data_dir} uses {n_vocab} token ids but the {who} has only {args.vocab_size}; prepare the data with the models' tokenizer")
+    if args.vocab_size - n_vocab >= 1024:
+        fail(f"the {who} has {args.vocab_size} vocabulary rows but the data's tokenizer only {n_vocab}: more than padding, so the {who} uses another tokenizer; teacher and student must share one")
+if block_size > min(model_args.max_seq_len, teacher_args.max_seq_len):
+    fail(f"block_size={block_size} exceeds max_seq_len (student {model_args.max_seq_len}, teacher {teacher_args.max_seq_len})")
+if qscheme is not None:
+    widths = {"dim": model_args.dim, "hidden": model_args.hidden_dim}
+    bad = {k: w for k, w in widths.items() if w % group_size}
+    if bad:
+        fail(f"group_size={group_size} does not divide the student's layer widths {bad}; pick a divisor of {math.gcd(*widths.values())}")
+
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+
+# -----------------------------------------------------------------------------
+# distributed init: a process group even for one process, so that one code path (FSDP2 on a
+# mesh of size 1) serves both `python` and `torchrun`
+if device == "cuda":
+    torch.cuda.set_device(local_rank)
+    device_str = f"cuda:{local_rank}"
+else:
+    device_str = "cpu"
+backend = "nccl" if device == "cuda" else "gloo"
+if ddp:
+    dist.init_process_group(backend, device_id=torch.device(device_str) if device == "cuda" else None)
+else:
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh(device, (world_size,))
+torch.manual_seed(seed + rank)
+ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+param_dtype = torch.float32 if mixed_precision else ptdtype
+if master_process:
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"{world_size} process(es) on {device}, {tokens_per_iter:,} tokens per step")
+
+# -----------------------------------------------------------------------------
+# data: non-overlapping windows of block_size + 1 tokens; each epoch visits every window once
+# in an order fixed by (seed, epoch), so the batches of step n never depend on how we got there
+data_dtype = np.dtype(data_meta["dtype"])
+has_mask = bool(data_meta.get("has_mask"))
+
+
+def memmap(split, mask=False):
+    # a fresh memmap per batch: a long-lived one grows the process's memory (nanoGPT's lesson)
+    return np.memmap(os.path.join(data_dir, f"{split}_mask.bin" if mask else f"{split}.bin"),
+                     dtype=np.uint8 if mask else data_dtype, mode="r")
+
+
+n_windows = {s: (len(memmap(s)) - 1) // block_size for s in ("train", "val")}
+global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step
+steps_per_epoch = n_windows["train"] // global_batch
+if steps_per_epoch == 0:
+    fail(f"the train split has {n_windows['train']} windows of {block_size + 1} tokens, fewer than one step's {global_batch}; lower batch_size or block_size")
+if n_windows["val"] == 0:
+    fail(f"the val split of {data_dir} is shorter than block_size + 1 = {block_size + 1} tokens; use a larger val_fraction in data_prep.py")
+_perm_cache = {}
+
+
+def epoch_order(epoch):
+    if epoch not in _perm_cache:
+        _perm_cache.clear()
+        _perm_cache[epoch] = torch.randperm(n_windows["train"], generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return _perm_cache[epoch]
+
+
+def get_batch(split, windows):
+    """Inputs and targets (B, T) for window indices; windows < 0 are padding, fully ignored."""
+    data = memmap(split)
+    mask = memmap(split, mask=True) if has_mask else None
+    x = torch.zeros(len(windows), block_size, dtype=torch.long)
+    y = torch.full((len(windows), block_size), IGNORE_INDEX, dtype=torch.long)
+    for i, w in enumerate(windows.tolist()):
+        if w < 0:
+            continue
+        chunk = torch.from_numpy(data[w * block_size: w * block_size + block_size + 1].astype(np.int64))
+        x[i], y[i] = chunk[:-1], chunk[1:]
+        if mask is not None:  # prompt tokens are context only: no loss on them
+            m = torch.from_numpy(mask[w * block_size + 1: w * block_size + block_size + 1].astype(bool))
+            y[i][~m] = IGNORE_INDEX
+    if device == "cuda":
+        return x.pin_memory().to(device_str, non_blocking=True), y.pin_memory().to(device_str, non_blocking=True)
+    return x, y
+
+
+def train_batches(it):
+    """This process's micro-batches for step `it`: the step's slice of the epoch order, cut in
+    gradient_accumulation_steps micro-batches, every world_size-th one ours."""
+    epoch, step = divmod(it, steps_per_epoch)
+    windows = epoch_order(epoch)[step * global_batch: (step + 1) * global_batch]
+    return [get_batch("train", w) for w in windows.view(gradient_accumulation_steps, batch_size)[rank::world_size]]
+
+
+# -----------------------------------------------------------------------------
+# models: built on the meta device (no memory), sharded, then materialized. The student may be
+# fake-quantized and may carry LoRA adapters; the teacher is frozen.
+with torch.device("meta"):
+    model = Transformer(model_args)
+    teacher = Transformer(teacher_args)
+model.to(param_dtype)
+teacher.to(ptdtype)  # no master weights needed: it never steps
+teacher.requires_grad_(False)
+if lora_rank:
+    mark_only_lora_trainable(model)
+
+
+def quantize_filter(module, fqn):
+    if any(fqn.startswith(s) for s in quant_skip):
+        return False
+    if isinstance(module, nn.Embedding):
+        return quantize_embedding
+    return isinstance(module, nn.Linear)
+
+
+def base_config(for_embedding=False):
+    """The torchao config of the real quantized model; QAT derives its fake quantizers from it."""
+    act_bits, w_bits = qscheme
+    w_dtype = getattr(torch, f"int{w_bits}")
+    if for_embedding or act_bits is None:
+        return IntxWeightOnlyConfig(weight_dtype=w_dtype, granularity=PerGroup(group_size))
+    return Int8DynamicActivationIntxWeightConfig(weight_dtype=w_dtype, weight_granularity=PerGroup(group_size))
+
+
+def quantize_model(m, step):
+    """step 'prepare' (fake quant), 'convert' (after prepare) or 'ptq' (plain weights -> int)."""
+    for is_emb in (False, True):
+        cfg = base_config(for_embedding=is_emb)
+        fn = lambda mod, fqn: quantize_filter(mod, fqn) and isinstance(mod, nn.Embedding) == is_emb
+        quantize_(m, cfg if step == "ptq" else QATConfig(cfg, step=step), filter_fn=fn)
+
+
+def set_fake_quant(m, enabled):
+    for mod in m.modules():
+        for fq in (getattr(mod, "activation_fake_quantizer", None), getattr(mod, "weight_fake_quantizer", None)):
+            if fq is not None:
+                fq.enabled = enabled
+
+
+if qscheme is not None:
+    quantize_model(model, "prepare")
+if activation_checkpointing:
+    for i, block in enumerate(model.layers):
+        if i % activation_checkpointing == 0:
+            activation_checkpoint(block)
+if compile:
+    for block in list(model.layers) + list(teacher.layers):
+        block.compile()
+
+# FSDP2: one unit per block, the embedding its own; the root keeps the final norm and output,
+# which FSDP leaves gathered after the root's forward (until backward ends), so the chunked
+# loss below can call both output layers directly
+mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+for m in (model, teacher):
+    kw = dict(mesh=mesh, mp_policy=mp_policy if m is model else MixedPrecisionPolicy(),
+              reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    for block in m.layers:
+        fully_shard(block, **kw)
+    fully_shard(m.tok_embeddings, **kw)
+    fully_shard(m, **{**kw, "reshard_after_forward": False})  # the root stays gathered: see above
+    register_fsdp_forward_method(m, "hidden")  # FSDP's gathering hooks also run for .hidden()
+    m.to_empty(device="cpu" if cpu_offload else device_str)
+    m.reset_buffers(device_str)
+
+
+def lora_init_state():
+    """Fresh adapters for the student (A random, B zero), made on rank 0 so that every process
+    count starts from the same values."""
+    ref = Transformer(ModelArgs(**{**vars(model_args), "n_layers": 1}))  # one block suffices for shapes
+    ref.init_weights(seed=seed)
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith(("lora_a", "lora_b")):
+            short = re.sub(r"^layers\.\d+\.", "layers.0.", name)
+            out[name] = ref.state_dict()[short].to(param_dtype) if short in ref.state_dict() else torch.zeros(p.shape, dtype=param_dtype)
+    return out
+
+
+# weights: rank 0 holds each full state dict (a fresh init, or the mmapped checkpoint) and
+# broadcasts it; each rank keeps only its shards
+if master_process:
+    if init_state is None:
+        init_model = Transformer(model_args)
+        init_model.init_weights(seed=seed)
+        init_state = init_model.state_dict()
+    elif lora_rank and init_from != "resume":
+        init_state = {**to_lora_keys(init_state, model), **lora_init_state()}
+broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+set_model_state_dict(model, init_state if master_process else {}, options=broadcast)
+set_model_state_dict(teacher, teacher_state if master_process else {}, options=broadcast)
+del init_state, teacher_state
+teacher.eval()
+raw_model = model
+
+# -----------------------------------------------------------------------------
+# optimizer: AdamW over the trainable parameters (the adapters alone with LoRA), decay on matrices
+decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}],
+                              lr=learning_rate, betas=(beta1, beta2), fused=device == "cuda" and not cpu_offload)
+iter_num = 0
+if init_from == "resume":
+    iter_num = ckpt["iter_num"]  # always restored (the reference restored it only in some cases)
+    set_optimizer_state_dict(model, optimizer, ckpt["optimizer"] if master_process else {}, options=broadcast)
+    torch.set_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else torch.get_rng_state())
+    if master_process:
+        print(f"resumed from {resume_path} at step {iter_num}")
+ckpt = None  # free the optimizer state held by rank 0
+
+
+def get_lr(it):
+    # linear warmup, cosine decay to min_lr; a function of the step, so resume needs no state
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    progress = min(1.0, (it - warmup_iters) / max(1, (lr_decay_iters or max_iters) - warmup_iters))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
+
+
+def fake_quant_on(it):
+    return qscheme is not None and it >= fake_quant_after_n_steps
+
+
+# -----------------------------------------------------------------------------
+# the loss: cross-entropy with the labels plus a divergence from the teacher, a chunk of tokens
+# at a time. Each chunk is checkpointed: backward recomputes its logits instead of keeping them.
+
+
+def divergence(s_logp, t_logp):
+    """Per-token divergence (N,) between teacher and student log-probabilities (N, V)."""
+    def kl(p_logp, q_logp):  # KL(p || q)
+        return (p_logp.exp() * (p_logp - q_logp)).sum(-1)
+    if kd_loss == "fkl":
+        return kl(t_logp, s_logp)  # mass-covering: the student must cover all the teacher's modes
+    if kd_loss == "rkl":
+        return kl(s_logp, t_logp)  # mode-seeking
+    if kd_loss == "skl":
+        return 0.5 * (kl(t_logp, s_logp) + kl(s_logp, t_logp))
+    # generalized JSD (Agarwal et al., 2024) with mixture m = beta * teacher + (1 - beta) * student,
+    # divided by beta * (1 - beta) so that it tends to forward KL as beta -> 0, reverse KL as -> 1
+    if jsd_beta == 0.0:
+        return kl(t_logp, s_logp)
+    if jsd_beta == 1.0:
+        return kl(s_logp, t_logp)
+    m_logp = torch.logsumexp(torch.stack((t_logp + math.log(jsd_beta), s_logp + math.log(1 - jsd_beta))), 0)
+    jsd = jsd_beta * kl(t_logp, m_logp) + (1 - jsd_beta) * kl(s_logp, m_logp)
+    return jsd / (jsd_beta * (1 - jsd_beta))
+
+
+def loss_chunk(hs, ht, y):
+    """Summed CE and KD over one chunk of tokens: hs (N, Cs), ht (N, Ct), y (N,)."""
+    s_logits = model.output(hs).float()  # (N, V), fp32 for this chunk only
+    with torch.no_grad():
+        t_logits = teacher.output(ht).float()
+    v = min(s_logits.shape[-1], t_logits.shape[-1])  # padding rows are not part of the distribution
+    s_logits, t_logits = s_logits[:, :v], t_logits[:, :v]
+    keep = y != IGNORE_INDEX
+    ce = F.cross_entropy(s_logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+    s_logp = F.log_softmax(s_logits / kd_temperature, -1)
+    t_logp = F.log_softmax(t_logits / kd_temperature, -1)
+    kd = (divergence(s_logp, t_logp) * keep).sum() * kd_temperature ** 2
+    return ce, kd
+
+
+if compile:
+    loss_chunk = torch.compile(loss_chunk)
+chunk_tokens = 1024  # fp32 logits of 1024 tokens at vocab 32000: 131 MB per model
+
+
+def distill_loss(x, y):
+    """Summed (CE, KD) of a micro-batch (B, T)."""
+    hs = model.hidden(x).flatten(0, 1)  # (B*T, Cs)
+    with torch.no_grad():
+        ht = teacher.hidden(x).flatten(0, 1)  # (B*T, Ct)
+    y = y.flatten()
+    if hs.shape[0] <= chunk_tokens:
+        return loss_chunk(hs, ht, y)
+    ce, kd = torch.zeros((), device=hs.device), torch.zeros((), device=hs.device)
+    for c in range(0, hs.shape[0], chunk_tokens):
+        sl = slice(c, c + chunk_tokens)
+        ce_c, kd_c = checkpoint(loss_chunk, hs[sl], ht[sl], y[sl], use_reentrant=False)
+        ce, kd = ce + ce_c, kd + kd_c
+    return ce, kd
+
+
+# -----------------------------------------------------------------------------
+# helpers: evaluation, checkpointing, logging
+
+
+def all_reduce_sum(*values):
+    t = torch.tensor(values, dtype=torch.float64, device=device_str)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@torch.no_grad()
+def evaluate(m, full=False, it=0):
+    """Mean validation loss (CE with the labels): eval_iters random batches, or (full=True) every
+    window of the split exactly once. Every rank runs the same number of forwards (padding with
+    ignored windows), since an FSDP forward is a collective."""
+    m.eval()
+    if full:
+        per_round = batch_size * world_size
+        n_rounds = -(-n_windows["val"] // per_round)
+        order = torch.arange(n_rounds * per_round)
+        order[order >= n_windows["val"]] = -1
+        batches = order.view(n_rounds, world_size, batch_size)[:, rank]
+    else:
+        g = torch.Generator().manual_seed(seed * 7919 + it * 101 + rank)
+        batches = torch.randint(n_windows["val"], (eval_iters, batch_size), generator=g)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device_str)
+    count = torch.zeros((), dtype=torch.long, device=device_str)
+    for windows in tqdm(batches, desc="eval", leave=False, disable=not (full and master_process)):
+        x, y = get_batch("val", windows)
+        loss_sum += m(x, y, reduction="sum").double()
+        count += (y != IGNORE_INDEX).sum()
+    if m is not teacher:
+        m.train()
+    total, n = all_reduce_sum(loss_sum.item(), count.item())
+    return total / max(n, 1)
+
+
+def full_state_dict(m, to_cpu=True):
+    # a collective: every rank calls it; with to_cpu only rank 0 ends up with the tensors
+    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=to_cpu))
+
+
+def atomic_save(obj, path):
+    # a crash mid-write leaves the previous file intact
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint():
+    model_sd = full_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rngs = [None] * world_size
+    dist.all_gather_object(rngs, torch.get_rng_state())
+    if master_process:
+        atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
+                     "iter_num": iter_num, "epoch": iter_num // steps_per_epoch, "config": config,
+                     "quantizer": quantizer, "group_size": group_size, "fake_quant": fake_quant_on(iter_num),
+                     "teacher_init": teacher_init, "rng": rngs}, os.path.join(out_dir, "ckpt.pt"))
+
+
+log_file = open(os.path.join(out_dir, "log.jsonl"), "a") if master_process else None
+wandb = None
+if wandb_log and master_process:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+
+
+def log(record):
+    if master_process:
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+        if wandb is not None:
+            wandb.log(record, step=record["iter"])
+
+
+def measure_peak_flops():
+    """Per-device peak FLOP/s for MFU: given, from a table (bf16 dense), or measured on CPU."""
+    if peak_flops:
+        return float(peak_flops), "given"
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, flops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12)):
+            if key in name:
+                return flops if ptdtype == torch.bfloat16 else flops / 2, f"table ({name})"
+        return float("nan"), f"unknown GPU {name}; set peak_flops"
+    a = torch.randn(1024, 1024, dtype=ptdtype)
+    a @ a
+    t0 = time.perf_counter()
+    for _ in range(8):
+        a @ a
+    return 8 * 2 * 1024 ** 3 / (time.perf_counter() - t0), "measured matmul"
+
+
+def peak_memory_gb():
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+# -----------------------------------------------------------------------------
+# training loop
+# a KD step costs the student's training FLOPs plus one teacher forward (a third of its training FLOPs)
+flops_token = flops_per_token(model_args, block_size) + flops_per_token(teacher_args, block_size) / 3
+peak, peak_source = measure_peak_flops()
+teacher_val_loss = evaluate(teacher, full=True)
+log({"iter": iter_num, "teacher_val_loss": teacher_val_loss})
+if master_process:
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"student {sum(p.numel() for p in model.parameters()):,} parameters ({n_train:,} trained), "
+          f"teacher {sum(p.numel() for p in teacher.parameters()):,}; teacher val loss {teacher_val_loss:.4f}")
+    print(f"{flops_token / 1e6:.1f} MFLOPs per token, peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
+profiler = nullcontext()
+if profile:
+    profiler = torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=profile_wait, warmup=profile_warmup, active=profile_active, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(out_dir, f"trace_rank{rank}.json")),
+        profile_memory=True, record_shapes=True)
+offload_ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if activation_offloading else nullcontext()
+params = [p for p in model.parameters() if p.requires_grad]
+set_fake_quant(model, fake_quant_on(iter_num))
+if master_process and qscheme is not None:
+    print(f"fake quant ({quantizer}, group {group_size}) {'on' if fake_quant_on(iter_num) else 'off until step ' + str(fake_quant_after_n_steps)}")
+pbar = tqdm(total=max_iters, initial=iter_num, desc="distill", dynamic_ncols=True,
+            disable=not master_process or iter_num >= max_iters)
+t0 = time.perf_counter()
+last_log_iter = iter_num
+with profiler as prof:
+    while iter_num < max_iters:
+        if qscheme is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
+            set_fake_quant(model, True)
+            if master_process:
+                pbar.write(f"step {iter_num}: fake quant enabled")
+            log({"iter": iter_num, "event": "fake_quant_enabled"})
+        lr = get_lr(iter_num)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        batches = train_batches(iter_num)
+        # normalize by the unmasked tokens of the whole step, over every micro-batch and rank, so
+        # the gradient does not depend on how the global batch is split; FSDP averages over ranks,
+        # hence the world_size factor
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
+        dist.all_reduce(n_tokens)
+        ce_sum, kd_sum = torch.zeros((), device=device_str), torch.zeros((), device=device_str)
+        for micro, (x, y) in enumerate(batches):
+            model.set_requires_gradient_sync(micro == len(batches) - 1)  # reduce only once per step
+            with offload_ctx:
+                ce, kd = distill_loss(x, y)
+            ((1 - kd_ratio) * ce + kd_ratio * kd).mul(world_size / n_tokens).backward()
+            # summed over micro-batches (the reference logged only the last one's)
+            ce_sum, kd_sum = ce_sum + ce.detach(), kd_sum + kd.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+        pbar.update(1)
+        if profile:
+            prof.step()
+
+        if iter_num % log_interval == 0 or iter_num == max_iters:
+            sums = torch.stack((ce_sum, kd_sum))
+            dist.all_reduce(sums)
+            class_loss, kd_loss_val = (sums / n_tokens).tolist()  # the one host sync of a log step
+            loss_val = (1 - kd_ratio) * class_loss + kd_ratio * kd_loss_val
+            dt = time.perf_counter() - t0
+            tps = tokens_per_iter * (iter_num - last_log_iter) / dt
+            t0, last_log_iter = time.perf_counter(), iter_num
+            record = {"iter": iter_num, "loss": loss_val, "class_loss": class_loss, "kd_loss": kd_loss_val, "lr": lr,
+                      "epoch": (iter_num - 1) // steps_per_epoch,
+                      "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+                      "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world_size,
+                      "mfu": flops_token * tps / world_size / peak, "peak_mem_gb": peak_memory_gb(),
+                      "fake_quant": fake_quant_on(iter_num - 1)}
+            log(record)
+            pbar.set_postfix(loss=f"{loss_val:.4f}", ce=f"{class_loss:.4f}", kd=f"{kd_loss_val:.4f}",
+                             tok_s=f"{tps:,.0f}", mfu=f"{record['mfu']:.0%}")
+        if iter_num % eval_interval == 0 or iter_num == max_iters:
+            val_loss = evaluate(model, it=iter_num)
+            log({"iter": iter_num, "val_loss": val_loss})
+            if master_process:
+                pbar.write(f"step {iter_num}: val loss {val_loss:.4f} (teacher {teacher_val_loss:.4f})")
+        if iter_num % ckpt_interval == 0 or iter_num == max_iters:
+            save_checkpoint()
+pbar.close()
+
+# -----------------------------------------------------------------------------
+# the end: the student's full-precision (and quantized) validation loss on the whole split,
+# the merged student, the adapters and exports saved
+set_fake_quant(model, False)
+fp_val_loss = evaluate(model, full=True)
+summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss),
+           "teacher_val_loss": teacher_val_loss, "quant_val_loss": None}
+state = full_state_dict(model, to_cpu=qscheme is None)  # every rank needs it to convert
+merged_args = ModelArgs(**{**vars(model_args), "lora_rank": 0})
+if master_process:
+    cpu_state = {k: v.cpu() for k, v in state.items()}
+    merged = merge_lora(cpu_state, model_args) if lora_rank else cpu_state
+    if lora_rank:
+        save_adapter(adapter_state_dict(cpu_state), model_args, os.path.join(out_dir, "adapter"))
+    if not save_adapter_only:
+        atomic_save({"model": merged, "model_args": vars(merged_args).copy(), "iter_num": iter_num, "config": config},
+                    os.path.join(out_dir, "model.pt"))
+    if export_format == "meta":
+        export_meta(merged, merged_args, os.path.join(out_dir, "export_meta"))
+    elif export_format == "hf":
+        export_hf(merged, merged_args, os.path.join(out_dir, "export_hf"))
+if qscheme is not None:
+    # every rank converts its own copy and evaluates its share of the split; torchao's
+    # quantized tensors are not shardable by FSDP, and the converted model is small
+    del model, raw_model, teacher, optimizer
+    with torch.device("meta"):
+        qmodel = Transformer(model_args)
+    qmodel.load_state_dict(state, assign=True)
+    qmodel.reset_buffers(device_str)
+    qmodel.to(device_str)
+    quantize_model(qmodel, "prepare")  # after QAD: QATConfig's convert step on the prepared model
+    quantize_model(qmodel, "convert")
+    quant_val_loss = evaluate(qmodel, full=True)
+    summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss), method="qad",
+                   quantizer=quantizer, group_size=group_size)
+    if master_process:
+        atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
+                     "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
+                     "iter_num": iter_num, "config": config}, os.path.join(out_dir, "quantized.pt"))
+log(summary)
+if master_process:
+    gap = f"  (teacher {teacher_val_loss:.4f})"
+    print(f"\nstep {iter_num}  student full precision: val loss {fp_val_loss:.4f}  ppl {math.exp(fp_val_loss):.2f}{gap}")
+    if qscheme is not None:
+        q = summary["quant_val_loss"]
+        print(f"QAD {quantizer} g{group_size}: val loss {q:.4f}  ppl {math.exp(q):.2f}  "
+              f"({100 * (math.exp(q) / math.exp(fp_val_loss) - 1):+.2f}% ppl)  -> {os.path.join(out_dir, 'quantized.pt')}")
+    log_file.close()
+    if wandb is not None:
+        wandb.finish()
+dist.destroy_process_group()

@@ -1,0 +1,615 @@
+"""
+Quantization-aware training (QAT) of a Llama-family model with FSDP2, in one file.
+
+One process (CPU or one GPU):
+$ python qat_train.py config/tiny_qat.py
+Several GPUs on one node, e.g. a Llama-2-7B finetune:
+$ torchrun --standalone --nproc_per_node 8 qat_train.py config/llama.py
+Post-training quantization (PTQ) or conversion of any checkpoint, no training:
+$ python qat_train.py --init_from=out/base/ckpt.pt --quantizer=8da2w --convert_only=True --out_dir=out/ptq
+
+During training the linear layers are fake-quantized (torchao's QATConfig "prepare"): the
+forward pass sees weights (and activations) rounded to the target integer grid, so the model
+learns weights that survive rounding. At the end the model is converted for real (QATConfig
+"convert") and both the full-precision and the converted model are evaluated on the whole
+validation split. quantizer='none' runs the same loop as a plain finetune: the baseline QAT
+must beat, and the way to train a base model from scratch.
+"""
+
+import json
+import logging
+import math
+import os
+import re
+import resource
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._composable import checkpoint as activation_checkpoint
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from tqdm import tqdm
+
+logging.getLogger("torchao").setLevel(logging.ERROR)  # silences notes about GPU-only kernels
+from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
+from torchao.quantization.qat import QATConfig
+
+from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer, flops_per_token, load_checkpoint
+
+# -----------------------------------------------------------------------------
+# I/O
+out_dir = "out/qat"  # ckpt.pt, quantized.pt and log.jsonl go here
+data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from data_prep.py
+init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint file / Meta / HF directory
+convert_only = False  # skip training: evaluate, convert and save the init_from model
+eval_interval = 100  # steps between validation estimates
+eval_iters = 20  # batches per validation estimate; the final evaluation uses the whole split
+log_interval = 10  # steps between log lines (the only steps that sync with the device)
+ckpt_interval = 500  # steps between checkpoints; one is always written at the end
+wandb_log = False  # also log to Weights & Biases (imported only then)
+wandb_project = "nanotune"
+wandb_run_name = "qat"
+# model, for init_from='scratch' (pretrained checkpoints carry their own shape)
+preset = "tiny"  # a name from model.PRESETS
+n_layer = None  # None: the preset's value
+n_head = None
+n_kv_head = None
+n_embd = None
+# quantization
+quantizer = "8da4w"  # 'none', '8daNw' (int8 dynamic activations, intN weights) or 'Nw' (weight-only), N in 2..8
+group_size = 32  # weights share one scale per group of this many input channels
+fake_quant_after_n_steps = 0  # train in full precision until this step, then fake-quantize
+quantize_embedding = False  # also fake-quantize the token embedding (weight-only, same bits)
+quant_skip = ()  # module names left in full precision, e.g. ('output', 'layers.0.')
+# data and batch
+batch_size = 16  # micro-batch size per process
+block_size = 128  # tokens per sequence
+gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all processes
+# optimizer and schedule
+max_iters = 300  # optimizer steps
+learning_rate = 3e-4  # peak learning rate
+min_lr = 3e-5  # the cosine decays to this at lr_decay_iters
+lr_decay_iters = None  # None: max_iters; set it to stop a run early on the schedule of a longer one
+warmup_iters = 30  # linear warmup steps
+weight_decay = 0.1  # applied to matrices only
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip the global gradient norm to this; float('inf') logs it without clipping
+optimizer_in_bwd = False  # step each parameter inside backward, freeing its gradient early
+# system
+device = "cpu"  # 'cpu' or 'cuda'
+dtype = "float32"  # 'float32' or 'bfloat16'
+mixed_precision = False  # with bfloat16: fp32 master weights and reductions, bf16 compute
+compile = False  # torch.compile each transformer block and the output head
+activation_checkpointing = 0  # recompute activations of every k-th block in backward (0: off)
+activation_offloading = False  # keep saved activations in pinned CPU memory (CUDA only)
+cpu_offload = False  # keep parameters, gradients and optimizer state on the CPU (CUDA only)
+reshard_after_forward = True  # free gathered parameters after forward (less memory, more traffic)
+profile = False  # write a torch.profiler trace to out_dir
+profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in steps
+peak_flops = None  # per device, for MFU; None: a table for known GPUs, a measured matmul on CPU
+seed = 1337
+# -----------------------------------------------------------------------------
+from configurator import configure
+
+config = configure(globals())
+
+# derived values and checks: every mistake a user can make fails here, before any real work
+ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
+rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+master_process = rank == 0
+
+
+def fail(msg):
+    if master_process:
+        print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_quantizer(name):
+    """'8da4w' -> (activation bits 8, weight bits 4); '3w' -> (None, 3); 'none' -> None."""
+    if name == "none":
+        return None
+    m = re.fullmatch(r"(8da)?([2-8])w", name)
+    if not m:
+        fail(f"quantizer={name!r} is unknown; use 'none', '8daNw' (e.g. '8da4w') or 'Nw' (e.g. '4w'), N from 2 to 8")
+    return (8 if m.group(1) else None), int(m.group(2))
+
+
+qscheme = parse_quantizer(quantizer)
+if dtype not in ("float32", "bfloat16"):
+    fail(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16' (float16 needs loss scaling, which this loop omits)")
+if mixed_precision and dtype != "bfloat16":
+    fail("mixed_precision=True needs dtype='bfloat16' (it computes in bf16 over fp32 master weights)")
+if device not in ("cpu", "cuda"):
+    fail(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
+if device == "cuda" and not torch.cuda.is_available():
+    fail("device='cuda' but no CUDA device is visible; use --device=cpu")
+if device == "cpu" and (cpu_offload or activation_offloading):
+    fail("cpu_offload and activation_offloading move data off a GPU; they need device='cuda'")
+if gradient_accumulation_steps % world_size:
+    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
+micro_steps = gradient_accumulation_steps // world_size  # micro-batches per process per step
+if optimizer_in_bwd and micro_steps > 1:
+    fail("optimizer_in_bwd=True steps inside backward, so it cannot accumulate gradients; set gradient_accumulation_steps to the number of processes")
+if optimizer_in_bwd and math.isfinite(grad_clip):
+    fail("optimizer_in_bwd=True steps before the global gradient norm is known; set grad_clip=float('inf')")
+if convert_only and qscheme is None:
+    fail("convert_only=True needs a quantizer, e.g. --quantizer=8da4w")
+if init_from == "resume" and not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+    fail(f"init_from='resume' but {os.path.join(out_dir, 'ckpt.pt')} does not exist; train first or pass a checkpoint path")
+if init_from not in ("scratch", "resume") and not os.path.exists(init_from):
+    fail(f"init_from={init_from!r} does not exist; give 'scratch', 'resume' or a checkpoint file / Meta / HF directory")
+if init_from == "scratch" and preset not in PRESETS:
+    fail(f"preset={preset!r} is unknown; choose from {sorted(PRESETS)}")
+for name in ("train.bin", "val.bin", "meta.json"):
+    if not os.path.exists(os.path.join(data_dir, name)):
+        fail(f"{os.path.join(data_dir, name)} is missing; run data_prep.py --out_dir {data_dir} first")
+with open(os.path.join(data_dir, "meta.json")) as f:
+    data_meta = json.load(f)
+
+# the model's shape: from the checkpoint, or from the preset and overrides
+resume_path = os.path.join(out_dir, "ckpt.pt") if init_from == "resume" else init_from
+init_state, ckpt = None, {}
+if init_from != "scratch" and os.path.isfile(resume_path):
+    # a nanotune checkpoint; resume takes its optimizer and position too
+    ckpt = torch.load(resume_path, map_location="cpu", mmap=True, weights_only=True)
+    model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt["model"]
+elif init_from == "scratch":
+    shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
+    for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
+        if value is not None:
+            shape[key] = value
+    model_args = ModelArgs(**shape)
+else:
+    try:  # mmap: the weights are paged in as they are copied out, never held twice
+        model_args, init_state = load_checkpoint(init_from)
+    except ValueError as e:
+        fail(str(e))
+# a checkpoint with tied embeddings loads with output.weight a copy of the embedding; FSDP
+# shards the two in separate units, so they are trained (and saved) untied
+model_args.tie_embeddings = False
+if data_meta["vocab_size"] > model_args.vocab_size:
+    fail(f"the data in {data_dir} uses {data_meta['vocab_size']} token ids but the model has only {model_args.vocab_size}; prepare the data with the model's tokenizer")
+if block_size > model_args.max_seq_len:
+    fail(f"block_size={block_size} exceeds the model's max_seq_len={model_args.max_seq_len}")
+if qscheme is not None:
+    widths = {"dim": model_args.dim, "hidden": model_args.hidden_dim}
+    bad = {k: w for k, w in widths.items() if w % group_size}
+    if bad:
+        fail(f"group_size={group_size} does not divide the layer widths {bad}; pick a divisor of {math.gcd(*widths.values())}")
+if init_from == "resume" and ckpt.get("config", {}).get("quantizer", quantizer) != quantizer:
+    fail(f"the checkpoint was trained with quantizer={ckpt['config']['quantizer']!r}; resume with the same quantizer")
+
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+
+# -----------------------------------------------------------------------------
+# distributed init: a process group even for one process, so that one code path (FSDP2 on a
+# mesh of size 1) serves both `python` and `torchrun`
+if device == "cuda":
+    torch.cuda.set_device(local_rank)
+    device_str = f"cuda:{local_rank}"
+else:
+    device_str = "cpu"
+backend = "nccl" if device == "cuda" else "gloo"
+if ddp:
+    dist.init_process_group(backend, device_id=torch.device(device_str) if device == "cuda" else None)
+else:
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh(device, (world_size,))
+torch.manual_seed(seed + rank)
+ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+param_dtype = torch.float32 if mixed_precision else ptdtype
+if master_process:
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"{world_size} process(es) on {device}, {tokens_per_iter:,} tokens per step")
+
+# -----------------------------------------------------------------------------
+# data: non-overlapping windows of block_size + 1 tokens; each epoch visits every window once
+# in an order fixed by (seed, epoch), so the batches of step n never depend on how we got there
+data_dtype = np.dtype(data_meta["dtype"])
+has_mask = bool(data_meta.get("has_mask"))
+
+
+def memmap(split, mask=False):
+    # a fresh memmap per batch: a long-lived one grows the process's memory (nanoGPT's lesson)
+    return np.memmap(os.path.join(data_dir, f"{split}_mask.bin" if mask else f"{split}.bin"),
+                     dtype=np.uint8 if mask else data_dtype, mode="r")
+
+
+n_windows = {s: (len(memmap(s)) - 1) // block_size for s in ("train", "val")}
+global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step
+steps_per_epoch = n_windows["train"] // global_batch
+if steps_per_epoch == 0 and not convert_only:
+    fail(f"the train split has {n_windows['train']} windows of {block_size + 1} tokens, fewer than one step's {global_batch}; lower batch_size or block_size")
+if n_windows["val"] == 0:
+    fail(f"the val split of {data_dir} is shorter than block_size + 1 = {block_size + 1} tokens; use a larger val_fraction in data_prep.py")
+_perm_cache = {}
+
+
+def epoch_order(epoch):
+    if epoch not in _perm_cache:
+        _perm_cache.clear()
+        _perm_cache[epoch] = torch.randperm(n_windows["train"], generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return _perm_cache[epoch]
+
+
+def get_batch(split, windows):
+    """Inputs and targets (B, T) for window indices; windows < 0 are padding, fully ignored."""
+    data = memmap(split)
+    mask = memmap(split, mask=True) if has_mask else None
+    x = torch.zeros(len(windows), block_size, dtype=torch.long)
+    y = torch.full((len(windows), block_size), IGNORE_INDEX, dtype=torch.long)
+    for i, w in enumerate(windows.tolist()):
+        if w < 0:
+            continue
+        chunk = torch.from_numpy(data[w * block_size: w * block_size + block_size + 1].astype(np.int64))
+        x[i], y[i] = chunk[:-1], chunk[1:]
+        if mask is not None:  # prompt tokens are context only: no loss on them
+            m = torch.from_numpy(mask[w * block_size + 1: w * block_size + block_size + 1].astype(bool))
+            y[i][~m] = IGNORE_INDEX
+    if device == "cuda":
+        return x.pin_memory().to(device_str, non_blocking=True), y.pin_memory().to(device_str, non_blocking=True)
+    return x, y
+
+
+def train_batches(it):
+    """This process's micro-batches for step `it`: the step's slice of the epoch order, cut in
+    gradient_accumulation_steps micro-batches, every world_size-th one ours."""
+    epoch, step = divmod(it, steps_per_epoch)
+    windows = epoch_order(epoch)[step * global_batch: (step + 1) * global_batch]
+    return [get_batch("train", w) for w in windows.view(gradient_accumulation_steps, batch_size)[rank::world_size]]
+
+
+# -----------------------------------------------------------------------------
+# model: built on the meta device (no memory), fake-quantized, sharded, then materialized
+with torch.device("meta"):
+    model = Transformer(model_args)
+model.to(param_dtype)
+
+
+def quantize_filter(module, fqn):
+    if any(fqn.startswith(s) for s in quant_skip):
+        return False
+    if isinstance(module, nn.Embedding):
+        return quantize_embedding
+    return isinstance(module, nn.Linear)
+
+
+def base_config(for_embedding=False):
+    """The torchao config of the real quantized model; QAT derives its fake quantizers from it."""
+    act_bits, w_bits = qscheme
+    w_dtype = getattr(torch, f"int{w_bits}")
+    if for_embedding or act_bits is None:
+        return IntxWeightOnlyConfig(weight_dtype=w_dtype, granularity=PerGroup(group_size))
+    return Int8DynamicActivationIntxWeightConfig(weight_dtype=w_dtype, weight_granularity=PerGroup(group_size))
+
+
+def quantize_model(m, step):
+    """step 'prepare' (fake quant), 'convert' (after prepare) or 'ptq' (plain weights -> int)."""
+    for is_emb in (False, True):
+        cfg = base_config(for_embedding=is_emb)
+        fn = lambda mod, fqn: quantize_filter(mod, fqn) and isinstance(mod, nn.Embedding) == is_emb
+        quantize_(m, cfg if step == "ptq" else QATConfig(cfg, step=step), filter_fn=fn)
+
+
+def set_fake_quant(m, enabled):
+    for mod in m.modules():
+        for fq in (getattr(mod, "activation_fake_quantizer", None), getattr(mod, "weight_fake_quantizer", None)):
+            if fq is not None:
+                fq.enabled = enabled
+
+
+if qscheme is not None:
+    quantize_model(model, "prepare")
+if activation_checkpointing:
+    for i, block in enumerate(model.layers):
+        if i % activation_checkpointing == 0:
+            activation_checkpoint(block)
+if compile:
+    for block in model.layers:
+        block.compile()
+    model.output.compile()
+
+# FSDP2: one unit per block, the embedding its own; the root keeps the final norm and output,
+# which stay gathered through forward and backward, so the chunked loss can reuse them
+mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+fsdp_kw = dict(mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+               offload_policy=CPUOffloadPolicy() if cpu_offload else None)
+if fsdp_kw["offload_policy"] is None:
+    del fsdp_kw["offload_policy"]
+for block in model.layers:
+    fully_shard(block, **fsdp_kw)
+if not model_args.tie_embeddings:
+    fully_shard(model.tok_embeddings, **fsdp_kw)
+fully_shard(model, **{**fsdp_kw, "reshard_after_forward": False})  # backward needs the root first
+model.to_empty(device="cpu" if cpu_offload else device_str)
+model.reset_buffers(device_str)
+
+# weights: rank 0 holds the full state dict (a fresh init, or the mmapped checkpoint) and
+# broadcasts it; each rank keeps only its shards
+if master_process and init_state is None:
+    init_model = Transformer(model_args)
+    init_model.init_weights(seed=seed)
+    init_state = init_model.state_dict()
+set_model_state_dict(model, init_state if master_process else {},
+                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+del init_state
+raw_model = model
+
+# -----------------------------------------------------------------------------
+# optimizer: AdamW, weight decay on matrices only
+decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=device == "cuda" and not cpu_offload)
+if optimizer_in_bwd:
+    # one optimizer per parameter, stepped by a hook as soon as its gradient is reduced
+    optimizers = {p: torch.optim.AdamW([p], weight_decay=weight_decay if p.ndim >= 2 else 0.0, **opt_kw)
+                  for p in decay + no_decay}
+
+    def _step_in_bwd(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad(set_to_none=True)
+
+    for p in optimizers:
+        p.register_post_accumulate_grad_hook(_step_in_bwd)
+    opt_list = list(optimizers.values())
+else:
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], **opt_kw)
+    opt_list = [optimizer]
+
+iter_num = 0
+if init_from == "resume":
+    iter_num = ckpt["iter_num"]
+    set_optimizer_state_dict(model, opt_list if optimizer_in_bwd else optimizer,
+                             ckpt["optimizer"] if master_process else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    torch.set_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else torch.get_rng_state())
+    if master_process:
+        print(f"resumed from {resume_path} at step {iter_num}")
+ckpt_fake_quant = bool(ckpt.get("fake_quant", False))  # how the loaded weights were trained
+ckpt = None  # free the optimizer state held by rank 0
+
+
+def get_lr(it):
+    # linear warmup, cosine decay to min_lr; a function of the step, so resume needs no state
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    progress = min(1.0, (it - warmup_iters) / max(1, (lr_decay_iters or max_iters) - warmup_iters))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
+
+
+def fake_quant_on(it):
+    return qscheme is not None and it >= fake_quant_after_n_steps
+
+
+# -----------------------------------------------------------------------------
+# helpers: evaluation, checkpointing, logging
+
+
+def all_reduce_sum(*values):
+    t = torch.tensor(values, dtype=torch.float64, device=device_str)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@torch.no_grad()
+def evaluate(m, full=False, it=0):
+    """Mean validation loss: eval_iters random batches, or (full=True) every window of the split
+    exactly once. Every rank runs the same number of forwards (padding with ignored windows),
+    since an FSDP forward is a collective."""
+    m.eval()
+    if full:
+        per_round = batch_size * world_size
+        n_rounds = -(-n_windows["val"] // per_round)
+        order = torch.arange(n_rounds * per_round)
+        order[order >= n_windows["val"]] = -1
+        batches = order.view(n_rounds, world_size, batch_size)[:, rank]
+    else:
+        g = torch.Generator().manual_seed(seed * 7919 + it * 101 + rank)
+        batches = torch.randint(n_windows["val"], (eval_iters, batch_size), generator=g)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device_str)
+    count = torch.zeros((), dtype=torch.long, device=device_str)
+    for windows in tqdm(batches, desc="eval", leave=False, disable=not (full and master_process)):
+        x, y = get_batch("val", windows)
+        loss_sum += m(x, y, reduction="sum").double()
+        count += (y != IGNORE_INDEX).sum()
+    m.train()
+    total, n = all_reduce_sum(loss_sum.item(), count.item())
+    return total / max(n, 1)
+
+
+def full_state_dict(m, to_cpu=True):
+    # a collective: every rank calls it; with to_cpu only rank 0 ends up with the tensors
+    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=to_cpu))
+
+
+def atomic_save(obj, path):
+    # a crash mid-write leaves the previous file intact
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint():
+    model_sd = full_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, opt_list if optimizer_in_bwd else optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rngs = [None] * world_size
+    dist.all_gather_object(rngs, torch.get_rng_state())
+    if master_process:
+        atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
+                     "iter_num": iter_num, "epoch": iter_num // max(steps_per_epoch, 1), "config": config,
+                     "quantizer": quantizer, "group_size": group_size, "fake_quant": fake_quant_on(iter_num),
+                     "rng": rngs}, os.path.join(out_dir, "ckpt.pt"))
+
+
+log_file = open(os.path.join(out_dir, "log.jsonl"), "a") if master_process else None
+wandb = None
+if wandb_log and master_process:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+
+
+def log(record):
+    if master_process:
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+        if wandb is not None:
+            wandb.log(record, step=record["iter"])
+
+
+def measure_peak_flops():
+    """Per-device peak FLOP/s for MFU: given, from a table (bf16 dense), or measured on CPU."""
+    if peak_flops:
+        return float(peak_flops), "given"
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, flops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12)):
+            if key in name:
+                return flops if ptdtype == torch.bfloat16 else flops / 2, f"table ({name})"
+        return float("nan"), f"unknown GPU {name}; set peak_flops"
+    a = torch.randn(1024, 1024, dtype=ptdtype)
+    a @ a
+    t0 = time.perf_counter()
+    for _ in range(8):
+        a @ a
+    return 8 * 2 * 1024 ** 3 / (time.perf_counter() - t0), "measured matmul"
+
+
+def peak_memory_gb():
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+# -----------------------------------------------------------------------------
+# training loop
+flops_token = flops_per_token(model_args, block_size)
+peak, peak_source = measure_peak_flops()
+if master_process and not convert_only:
+    print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {flops_token / 1e6:.1f} MFLOPs per token, "
+          f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
+profiler = nullcontext()
+if profile and not convert_only:
+    profiler = torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=profile_wait, warmup=profile_warmup, active=profile_active, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(out_dir, f"trace_rank{rank}.json")),
+        profile_memory=True, record_shapes=True)
+offload_ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if activation_offloading else nullcontext()
+params = [p for p in model.parameters() if p.requires_grad]
+set_fake_quant(model, fake_quant_on(iter_num))
+if master_process and qscheme is not None and not convert_only:
+    print(f"fake quant ({quantizer}, group {group_size}) {'on' if fake_quant_on(iter_num) else 'off until step ' + str(fake_quant_after_n_steps)}")
+pbar = tqdm(total=max_iters, initial=iter_num, desc="train", dynamic_ncols=True,
+            disable=not master_process or convert_only or iter_num >= max_iters)
+t0 = time.perf_counter()
+last_log_iter = iter_num
+with profiler as prof:
+    while iter_num < max_iters and not convert_only:
+        if qscheme is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
+            set_fake_quant(model, True)
+            if master_process:
+                pbar.write(f"step {iter_num}: fake quant enabled")
+            log({"iter": iter_num, "event": "fake_quant_enabled"})
+        lr = get_lr(iter_num)
+        for opt in opt_list:
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+        batches = train_batches(iter_num)
+        # normalize by the unmasked tokens of the whole step, over every micro-batch and rank, so
+        # the gradient does not depend on how the global batch is split; FSDP averages over ranks,
+        # hence the world_size factor
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
+        dist.all_reduce(n_tokens)
+        loss_sum = torch.zeros((), device=device_str)
+        for micro, (x, y) in enumerate(batches):
+            model.set_requires_gradient_sync(micro == len(batches) - 1)  # reduce only once per step
+            with offload_ctx:
+                loss = model(x, y, reduction="sum")
+            (loss * world_size / n_tokens).backward()
+            loss_sum += loss.detach()
+        if not optimizer_in_bwd:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+        pbar.update(1)
+        if profile:
+            prof.step()
+
+        if iter_num % log_interval == 0 or iter_num == max_iters:
+            dist.all_reduce(loss_sum)
+            loss_val = loss_sum.item() / n_tokens.item()  # the one host sync of a log step
+            dt = time.perf_counter() - t0
+            tps = tokens_per_iter * (iter_num - last_log_iter) / dt
+            t0, last_log_iter = time.perf_counter(), iter_num
+            record = {"iter": iter_num, "loss": loss_val, "lr": lr, "epoch": (iter_num - 1) // steps_per_epoch,
+                      "grad_norm": None if optimizer_in_bwd else float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+                      "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world_size,
+                      "mfu": flops_token * tps / world_size / peak, "peak_mem_gb": peak_memory_gb(),
+                      "fake_quant": fake_quant_on(iter_num - 1)}
+            log(record)
+            pbar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.1e}", tok_s=f"{tps:,.0f}", mfu=f"{record['mfu']:.0%}")
+        if iter_num % eval_interval == 0 or iter_num == max_iters:
+            val_loss = evaluate(model, it=iter_num)
+            log({"iter": iter_num, "val_loss": val_loss})
+            if master_process:
+                pbar.write(f"step {iter_num}: val loss {val_loss:.4f}")
+        if iter_num % ckpt_interval == 0 or iter_num == max_iters:
+            save_checkpoint()
+pbar.close()
+
+# -----------------------------------------------------------------------------
+# the end: full-precision and quantized validation loss on the whole split, quantized model saved
+set_fake_quant(model, False)
+fp_val_loss = evaluate(model, full=True)
+summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss), "quant_val_loss": None}
+if qscheme is not None:
+    # every rank converts its own copy and evaluates its share of the split; torchao's
+    # quantized tensors are not shardable by FSDP, and the converted model is small
+    state = full_state_dict(model, to_cpu=False)
+    del model, raw_model, opt_list
+    optimizer = optimizers = None
+    with torch.device("meta"):
+        qmodel = Transformer(model_args)
+    qmodel.load_state_dict(state, assign=True)
+    qmodel.reset_buffers(device_str)
+    qmodel.to(device_str)
+    # after QAT, convert the prepared model (QATConfig step='convert'); a checkpoint trained
+    # without fake quant gets the same scheme directly: post-training quantization
+    qat_trained = ckpt_fake_quant if convert_only else fake_quant_on(iter_num - 1)
+    if qat_trained:
+        quantize_model(qmodel, "prepare")
+        quantize_model(qmodel, "convert")
+    else:
+        quantize_model(qmodel, "ptq")
+    quant_val_loss = evaluate(qmodel, full=True)
+    summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss),
+                   method="qat" if qat_trained else "ptq", quantizer=quantizer, group_size=group_size)
+    if master_process:
+        atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
+                     "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
+                     "iter_num": iter_num, "config": config}, os.path.join(out_dir, "quantized.pt"))
+log(summary)
+if master_process:
+    print(f"\nstep {iter_num}  full precision: val loss {fp_val_loss:.4f}  ppl {math.exp(fp_val_loss):.2f}")
+    if qscheme is not None:
+        q = summary["quant_val_loss"]
+        print(f"{summary['method'].upper()} {quantizer} g{group_size}: val loss {q:.4f}  ppl {math.exp(q):.2f}  "
+              f"({100 * (math.exp(q) / math.exp(fp_val_loss) - 1):+.2f}% ppl)  -> {os.path.join(out_dir, 'quantized.pt')}")
+    log_file.close()
+    if wandb is not None:
+        wandb.finish()
+dist.destroy_process_group()

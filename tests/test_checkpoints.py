@@ -1,0 +1,265 @@
+import json
+import math
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from model import (  # noqa: E402
+    PRESETS, ModelArgs, Transformer, export_hf, export_meta, ffn_settings, load_adapter,
+    load_checkpoint, merge_lora, save_adapter,
+)
+
+TOKENS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def toy_args(**kw):
+    return ModelArgs(**{**PRESETS["toy"], "vocab_size": 64, **kw})
+
+
+def build(args, seed=0):
+    model = Transformer(args)
+    model.init_weights(seed)
+    # norms start at 1 and lora_b at 0, which would hide a mix-up of their names
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim == 1 or n.endswith("lora_b"):
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+@torch.no_grad()
+def logits_of(args, state_dict):
+    model = Transformer(args)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    return model.eval()(TOKENS)
+
+
+def same_shape_args(a, b):
+    for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "norm_eps", "rope_theta",
+              "tie_embeddings"):
+        assert getattr(a, f) == getattr(b, f), f
+
+
+def hf_reference_logits(sd, cfg, tokens):
+    """Llama as transformers computes it: rotate_half RoPE on q/k rows in HF's order, GQA by
+    repeating each kv head, explicit causal softmax. Written independently of model.py."""
+    D, H, KV, eps = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]
+    hd, (B, T) = D // H, tokens.shape
+    inv_freq = 1.0 / cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd)
+    emb = torch.outer(torch.arange(T).float(), inv_freq).repeat(1, 2)  # (T, hd): cat(freqs, freqs)
+    cos, sin = emb.cos(), emb.sin()
+
+    def rotate_half(x):
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((-x2, x1), -1)
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    x = sd["model.embed_tokens.weight"][tokens]
+    for i in range(cfg["num_hidden_layers"]):
+        w = {k.removeprefix(f"model.layers.{i}."): v for k, v in sd.items() if k.startswith(f"model.layers.{i}.")}
+        h = rms(x, w["input_layernorm.weight"])
+        q = (h @ w["self_attn.q_proj.weight"].T).view(B, T, H, hd).transpose(1, 2)
+        k = (h @ w["self_attn.k_proj.weight"].T).view(B, T, KV, hd).transpose(1, 2)
+        v = (h @ w["self_attn.v_proj.weight"].T).view(B, T, KV, hd).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+        x = x + (att @ v).transpose(1, 2).reshape(B, T, D) @ w["self_attn.o_proj.weight"].T
+        h = rms(x, w["post_attention_layernorm.weight"])
+        gate, up = h @ w["mlp.gate_proj.weight"].T, h @ w["mlp.up_proj.weight"].T
+        x = x + (F.silu(gate) * up) @ w["mlp.down_proj.weight"].T
+    head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    return rms(x, sd["model.norm.weight"]) @ head.T
+
+
+def test_meta_round_trip(tmp_path):
+    args = toy_args()
+    model = build(args)
+    export_meta(model.state_dict(), args, tmp_path / "meta")
+    args2, sd = load_checkpoint(str(tmp_path / "meta"))
+    same_shape_args(args, args2)
+    assert torch.equal(logits_of(args2, sd), model(TOKENS))
+    # exporting again replaces the directory and leaves no temp directories behind
+    export_meta(model.state_dict(), args, tmp_path / "meta")
+    assert sorted(os.listdir(tmp_path)) == ["meta"]
+
+
+def test_meta_two_shards(tmp_path):
+    # split as Meta's model-parallel layers do: column-parallel on dim 0, row-parallel and the
+    # embedding on dim 1, norms replicated; plus the rope.freqs buffer and vocab_size -1
+    args = toy_args()
+    model = build(args)
+    column, row = ("wq", "wk", "wv", "w1", "w3", "output"), ("wo", "w2", "tok_embeddings")
+    shards = [{"rope.freqs": torch.zeros(8)}, {"rope.freqs": torch.zeros(8)}]
+    for k, v in model.state_dict().items():
+        name = k.split(".")[-2]
+        parts = v.chunk(2, 0) if name in column else v.chunk(2, 1) if name in row else (v, v)
+        for shard, part in zip(shards, parts):
+            shard[k] = part.clone()
+    d = tmp_path / "meta2"
+    d.mkdir()
+    for i, shard in enumerate(shards):
+        torch.save(shard, d / f"consolidated.{i:02d}.pth")
+    params = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "norm_eps")}
+    (d / "params.json").write_text(json.dumps({**params, "vocab_size": -1}))
+    args2, sd = load_checkpoint(str(d))
+    assert args2.vocab_size == 64 and "rope.freqs" not in sd
+    assert torch.equal(logits_of(args2, sd), model(TOKENS))
+
+
+def test_hf_round_trip_and_reference(tmp_path):
+    # GQA and a SwiGLU size (100) no multiple_of=256 rule would give
+    args = toy_args(n_heads=8, n_kv_heads=2, **ffn_settings(64, 100))
+    assert args.hidden_dim == 100
+    model = build(args)
+    export_hf(model.state_dict(), args, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert cfg["intermediate_size"] == 100 and cfg["num_key_value_heads"] == 2 and cfg["torch_dtype"] == "float32"
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], model.layers[0].attention.wq.weight)
+    # the HF layout of the weights, run as transformers runs it, gives the Meta layout's logits
+    ref = hf_reference_logits(hf, cfg, TOKENS)
+    torch.testing.assert_close(ref, model(TOKENS), atol=1e-5, rtol=1e-5)
+    args2, sd = load_checkpoint(str(tmp_path / "hf"))
+    same_shape_args(args, args2)
+    assert args2.max_seq_len == args.max_seq_len
+    assert torch.equal(logits_of(args2, sd), model(TOKENS))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_directory_not_written_by_nanotune(tmp_path, tied):
+    # random weights in HF's layout straight from a config: loading must undo the permutation
+    # on its own, not merely invert export_hf
+    cfg = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+               intermediate_size=77, vocab_size=50, rms_norm_eps=1e-6, rope_theta=500.0,
+               max_position_embeddings=64, tie_word_embeddings=tied)
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"model.embed_tokens.weight": (50, 48), "model.norm.weight": (48,)}
+    if not tied:
+        shapes["lm_head.weight"] = (50, 48)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (48, 48), p + "self_attn.k_proj.weight": (24, 48),
+                       p + "self_attn.v_proj.weight": (24, 48), p + "self_attn.o_proj.weight": (48, 48),
+                       p + "mlp.gate_proj.weight": (77, 48), p + "mlp.up_proj.weight": (77, 48),
+                       p + "mlp.down_proj.weight": (48, 77), p + "input_layernorm.weight": (48,),
+                       p + "post_attention_layernorm.weight": (48,)})
+    hf = {k: (1.0 if len(s) == 1 else 0.0) + 0.1 * torch.randn(s, generator=gen) for k, s in shapes.items()}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(hf, tmp_path / "model.safetensors")
+    args, sd = load_checkpoint(str(tmp_path))
+    assert args.hidden_dim == 77 and args.n_kv_heads == 3 and args.tie_embeddings == tied
+    tokens = TOKENS % 50
+    model = Transformer(args)
+    model.load_state_dict(sd, strict=True, assign=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf_reference_logits(hf, cfg, tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_hf_pytorch_model_bin(tmp_path):
+    args = toy_args()
+    model = build(args)
+    export_hf(model.state_dict(), args, tmp_path / "hf")
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(8)  # old transformers saved it
+    torch.save(hf, tmp_path / "hf" / "pytorch_model.bin")
+    os.remove(tmp_path / "hf" / "model.safetensors")
+    args2, sd = load_checkpoint(str(tmp_path / "hf"))
+    assert torch.equal(logits_of(args2, sd), model(TOKENS))
+
+
+def test_tied_embeddings(tmp_path):
+    args = toy_args(tie_embeddings=True)
+    model = build(args)
+    export_hf(model.state_dict(), args, tmp_path / "hf")
+    assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
+    args2, sd = load_checkpoint(str(tmp_path / "hf"))
+    assert args2.tie_embeddings
+    assert torch.equal(logits_of(args2, sd), model(TOKENS))
+
+
+@pytest.mark.parametrize("dim", [48, 64, 2048, 4096, 5120, 8192])
+def test_ffn_settings(dim):
+    for hidden in [*range(2, 4 * dim, 7), 11008, 13824, 14336, 28672, 5632]:
+        assert ModelArgs(dim=dim, n_heads=1, **ffn_settings(dim, hidden)).hidden_dim == hidden
+    assert ffn_settings(4096, 11008) == dict(multiple_of=256, ffn_dim_multiplier=None)  # llama2-7b as Meta has it
+
+
+def test_nanotune_checkpoint(tmp_path):
+    args = toy_args(lora_rank=4, lora_targets=("wq", "w2"))
+    model = build(args)
+    ckpt = {"model": model.state_dict(), "model_args": asdict(args), "iter_num": 7, "config": {"lr": 1e-3},
+            "rng": torch.get_rng_state(), "optimizer": {"state": {}, "param_groups": [{"lr": 1e-3}]}}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    for path in (tmp_path, tmp_path / "ckpt.pt"):
+        args2, sd = load_checkpoint(str(path))
+        assert args2 == args
+        assert torch.equal(logits_of(args2, sd), model(TOKENS))
+    torch.save({**ckpt, "config": {"obj": object()}}, tmp_path / "unsafe.pt")
+    with pytest.raises(ValueError, match="plain Python values"):
+        load_checkpoint(str(tmp_path / "unsafe.pt"))
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "params.json").write_text("{}")  # but no consolidated.NN.pth
+    (tmp_path / "notes.txt").write_text("hello")
+    for path in (tmp_path, tmp_path / "missing", tmp_path / "notes.txt"):
+        with pytest.raises(ValueError, match=r"init_from=.* is neither a nanotune checkpoint nor a Meta"):
+            load_checkpoint(str(path))
+
+
+def test_lora_export_merges(tmp_path):
+    args = toy_args(lora_rank=4, lora_targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output"))
+    model = build(args)
+    with torch.no_grad():
+        lora_logits = model(TOKENS)
+        plain_logits = logits_of(toy_args(), merge_lora(model.state_dict(), args))
+    assert not torch.allclose(lora_logits, logits_of(toy_args(), {
+        k.replace(".base.", "."): v for k, v in model.state_dict().items() if "lora" not in k}), atol=1e-3)
+    torch.testing.assert_close(plain_logits, lora_logits, atol=1e-5, rtol=0)
+    for export in (export_meta, export_hf):
+        export(model.state_dict(), args, tmp_path / export.__name__)
+        args2, sd = load_checkpoint(str(tmp_path / export.__name__))
+        assert args2.lora_rank == 0
+        torch.testing.assert_close(logits_of(args2, sd), lora_logits, atol=1e-5, rtol=0)
+
+
+def test_adapter_round_trip(tmp_path):
+    args = toy_args(lora_rank=4, lora_alpha=8.0, lora_dropout=0.05, lora_targets=("wq", "wk", "wv", "output"))
+    model = build(args)
+    sd = model.state_dict()
+    save_adapter(sd, args, tmp_path / "adapter")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg == {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8.0, "lora_dropout": 0.05,
+                   "target_modules": ["k_proj", "lm_head", "q_proj", "v_proj"], "bias": "none"}
+    peft = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert {"base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight",
+            "base_model.model.lm_head.lora_B.weight"} <= set(peft)
+    assert len(peft) == 2 * (3 * args.n_layers + 1)
+    # PEFT semantics: HF base weight + scale * B @ A equals the HF export of the merged model
+    export_hf(sd, args, tmp_path / "merged")
+    export_hf({k.replace(".base.", "."): v for k, v in sd.items() if "lora" not in k}, args, tmp_path / "base")
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    for m in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "lm_head"):
+        a, b = peft[f"base_model.model.{m}.lora_A.weight"], peft[f"base_model.model.{m}.lora_B.weight"]
+        torch.testing.assert_close(base[m + ".weight"] + 8.0 / 4 * b @ a, merged[m + ".weight"], atol=1e-6, rtol=0)
+    settings, adapter = load_adapter(tmp_path / "adapter", args)
+    assert settings == dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.05, lora_targets=args.lora_targets)
+    expected = {k: v for k, v in sd.items() if k.endswith(("lora_a", "lora_b"))}
+    assert adapter.keys() == expected.keys()
+    assert all(torch.equal(adapter[k], expected[k]) for k in expected)

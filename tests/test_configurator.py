@@ -1,0 +1,181 @@
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from configurator import ConfigError, apply_config, config_keys, configure  # noqa: E402
+
+
+def make_globals():
+    # what a training script's globals() looks like at the configure() call
+    return {
+        "__name__": "__main__", "os": os, "configure": configure, "_private": 1,
+        "out_dir": "out", "batch_size": 12, "learning_rate": 6e-4, "compile": True,
+        "init_from": "scratch", "dropout": 0.0, "block_size": 256, "betas": (0.9, 0.95),
+        "wandb_run_name": None,
+    }
+
+
+def run(argv, g=None, **kw):
+    g = make_globals() if g is None else g
+    kw.setdefault("print_config", False)
+    return apply_config(g, config_keys(g), argv, **kw), g
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return str(p)
+
+
+def test_config_keys_skip_modules_functions_and_private():
+    assert config_keys(make_globals())[:3] == ["out_dir", "batch_size", "learning_rate"]
+    assert not {"os", "configure", "_private", "__name__"} & set(config_keys(make_globals()))
+
+
+def test_file_then_cli_later_wins_and_globals_updated(tmp_path):
+    cfg = write(tmp_path, "c.py", "batch_size = 4\nblock_size = batch_size * 16\nout_dir = 'out-tiny'\n")
+    config, g = run([cfg, "--batch_size=8"])
+    assert config["batch_size"] == 8 and g["batch_size"] == 8
+    assert config["block_size"] == 64 and config["out_dir"] == "out-tiny"
+    config, _ = run(["--batch_size=8", cfg])
+    assert config["batch_size"] == 4
+    assert list(config) == config_keys(make_globals())  # all keys, script order
+
+
+@pytest.mark.parametrize("arg,key,want", [
+    ("--batch_size=32", "batch_size", 32),
+    ("--learning_rate=1e-3", "learning_rate", 1e-3),
+    ("--compile=False", "compile", False),
+    ("--betas=(0.8,0.9)", "betas", (0.8, 0.9)),
+    ("--betas=[0.8,0.9]", "betas", (0.8, 0.9)),
+    ("--wandb_run_name=None", "wandb_run_name", None),
+    ("--init_from=resume", "init_from", "resume"),        # not a literal: raw string
+    ("--init_from='gpt2 xl'", "init_from", "gpt2 xl"),   # a str literal is unquoted
+    ("--out_dir=123", "out_dir", "123"),                 # str default keeps the raw text
+    ("--init_from=a=b", "init_from", "a=b"),             # split on the first "=" only
+    ("--dropout=0", "dropout", 0.0),                     # int -> float
+])
+def test_cli_values(arg, key, want):
+    config, _ = run([arg])
+    assert config[key] == want and type(config[key]) is type(want)
+
+
+@pytest.mark.parametrize("value", ["7", "'run-1'", "(1, 2)", "x y"])
+def test_none_default_accepts_anything(value):
+    config, _ = run([f"--wandb_run_name={value}"])
+    assert config["wandb_run_name"] is not None
+
+
+@pytest.mark.parametrize("arg,msg", [
+    ("--batch_size=abc", "--batch_size expects int (default 12), got str 'abc'"),
+    ("--batch_size=1.5", "--batch_size expects int"),    # float -> int rejected
+    ("--batch_size=True", "--batch_size expects int"),   # bool is not an int here
+    ("--dropout=True", "--dropout expects float"),
+    ("--compile=1", "--compile expects bool"),           # nor is an int a bool
+    ("--compile=false", "--compile expects bool"),
+    ("--betas=0.9", "--betas expects tuple"),
+])
+def test_type_errors(arg, msg):
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        run([arg])
+
+
+def test_unknown_cli_key_names_nearest():
+    with pytest.raises(ConfigError, match=r"unknown setting --batch_sise; did you mean --batch_size\?"):
+        run(["--batch_sise=8"])
+    with pytest.raises(ConfigError, match="--help"):
+        run(["--zzzzzz=1"])
+
+
+def test_unknown_file_key_names_file_and_nearest(tmp_path):
+    cfg = write(tmp_path, "bad.py", "learning_rat = 1e-3\n")
+    with pytest.raises(ConfigError) as e:
+        run([cfg])
+    assert cfg in str(e.value) and "learning_rat" in str(e.value) and "did you mean learning_rate?" in str(e.value)
+
+
+def test_file_type_error_names_file(tmp_path):
+    cfg = write(tmp_path, "bad.py", "compile = 0\n")
+    with pytest.raises(ConfigError, match="compile in '.*bad.py' expects bool"):
+        run([cfg])
+
+
+def test_missing_file_and_malformed_flag(tmp_path):
+    with pytest.raises(ConfigError, match="config file 'nope.py' not found"):
+        run(["nope.py"])
+    with pytest.raises(ConfigError, match="expected --key=value, got '--compile'"):
+        run(["--compile"])
+
+
+def test_file_may_import_define_helpers_and_private_names(tmp_path):
+    cfg = write(tmp_path, "c.py", """
+        import math
+        from functools import partial
+        from math import sqrt
+        class Helper: pass
+        def double(x): return 2 * x
+        _scale = 3
+        learning_rate = sqrt(4) * 1e-4 * _scale
+        batch_size = double(int(math.log2(64)))
+    """)
+    config, g = run([cfg])
+    assert config["learning_rate"] == pytest.approx(6e-4) and config["batch_size"] == 12
+    assert g["os"] is os and "math" not in g and "_scale" not in g  # script namespace not clobbered
+
+
+def test_help_exits_0(capsys):
+    with pytest.raises(SystemExit) as e:
+        run(["--batch_size=8", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "batch_size" in out and "= 12" in out  # defaults, not overrides
+
+
+def test_prints_on_master_only(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    run(["--batch_size=8"], print_config=True)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == len(config_keys(make_globals())) and len({line.index("=") for line in lines}) == 1
+    assert "batch_size     = 8  (was 12)" in lines and "compile        = True" in lines
+    monkeypatch.setenv("RANK", "1")
+    run(["--batch_size=8"], print_config=True)
+    assert capsys.readouterr().out == ""
+
+
+SCRIPT = """
+import sys
+batch_size = 12  # micro-batch size
+compile = True
+from configurator import configure
+config = configure(globals())
+print("final", config["batch_size"], batch_size)
+"""
+
+
+def run_script(tmp_path, *args):
+    script = write(tmp_path, "train.py", SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, cwd=tmp_path)
+
+
+def test_script_wrapper_ok(tmp_path):
+    p = run_script(tmp_path, "--batch_size=8")
+    assert p.returncode == 0, p.stderr
+    assert "final 8 8" in p.stdout
+
+
+@pytest.mark.parametrize("arg", ["--batch_size=abc", "--batchsize=8", "--compile", "missing.py"])
+def test_script_wrapper_exits_2_with_one_line(tmp_path, arg):
+    p = run_script(tmp_path, arg)
+    assert p.returncode == 2
+    assert p.stderr.startswith("error: ") and p.stderr.count("\n") == 1
+    assert p.stdout == ""
