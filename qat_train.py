@@ -38,7 +38,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
-logging.getLogger("torchao").setLevel(logging.ERROR)  # silences notes about GPU-only kernels
+# torchao's import logs notes about GPU-only kernels and a torch deprecation: not the user's concern
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
@@ -160,11 +162,7 @@ with open(os.path.join(data_dir, "meta.json")) as f:
 # the model's shape: from the checkpoint, or from the preset and overrides
 resume_path = os.path.join(out_dir, "ckpt.pt") if init_from == "resume" else init_from
 init_state, ckpt = None, {}
-if init_from != "scratch" and os.path.isfile(resume_path):
-    # a nanotune checkpoint; resume takes its optimizer and position too
-    ckpt = torch.load(resume_path, map_location="cpu", mmap=True, weights_only=True)
-    model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt["model"]
-elif init_from == "scratch":
+if init_from == "scratch":
     shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
     for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
         if value is not None:
@@ -172,9 +170,12 @@ elif init_from == "scratch":
     model_args = ModelArgs(**shape)
 else:
     try:  # mmap: the weights are paged in as they are copied out, never held twice
-        model_args, init_state = load_checkpoint(init_from)
-    except ValueError as e:
+        model_args, init_state = load_checkpoint(resume_path)
+    except ValueError as e:  # e.g. a file that is no checkpoint: one clear line, no traceback
         fail(str(e))
+    if os.path.isfile(resume_path):
+        # a nanotune checkpoint; resume takes its optimizer and position too (mmap again: no copy)
+        ckpt = torch.load(resume_path, map_location="cpu", mmap=True, weights_only=True)
 # a checkpoint with tied embeddings loads with output.weight a copy of the embedding; FSDP
 # shards the two in separate units, so they are trained (and saved) untied
 model_args.tie_embeddings = False
@@ -408,6 +409,7 @@ def evaluate(m, full=False, it=0):
     """Mean validation loss: eval_iters random batches, or (full=True) every window of the split
     exactly once. Every rank runs the same number of forwards (padding with ignored windows),
     since an FSDP forward is a collective."""
+    was_training = m.training
     m.eval()
     if full:
         per_round = batch_size * world_size
@@ -424,7 +426,7 @@ def evaluate(m, full=False, it=0):
         x, y = get_batch("val", windows)
         loss_sum += m(x, y, reduction="sum").double()
         count += (y != IGNORE_INDEX).sum()
-    m.train()
+    m.train(was_training)
     total, n = all_reduce_sum(loss_sum.item(), count.item())
     return total / max(n, 1)
 
@@ -450,7 +452,9 @@ def save_checkpoint():
     if master_process:
         atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
                      "iter_num": iter_num, "epoch": iter_num // max(steps_per_epoch, 1), "config": config,
-                     "quantizer": quantizer, "group_size": group_size, "fake_quant": fake_quant_on(iter_num),
+                     "quantizer": quantizer, "group_size": group_size,
+                     # how these weights were trained (the last step taken), as ckpt_fake_quant reads it
+                     "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
                      "rng": rngs}, os.path.join(out_dir, "ckpt.pt"))
 
 
@@ -479,12 +483,13 @@ def measure_peak_flops():
             if key in name:
                 return flops if ptdtype == torch.bfloat16 else flops / 2, f"table ({name})"
         return float("nan"), f"unknown GPU {name}; set peak_flops"
-    a = torch.randn(1024, 1024, dtype=ptdtype)
-    a @ a
-    t0 = time.perf_counter()
-    for _ in range(8):
-        a @ a
-    return 8 * 2 * 1024 ** 3 / (time.perf_counter() - t0), "measured matmul"
+    a, best = torch.randn(1024, 1024, dtype=ptdtype), float("inf")
+    for _ in range(6):  # the best of several: the machine may be busy for a moment
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 4 * 2 * 1024 ** 3 / best, f"measured {dtype} matmul"
 
 
 def peak_memory_gb():

@@ -1,0 +1,28 @@
+# Quantization-aware self-distillation (QAD) of Llama-2-7B on 8 GPUs: the 8da4w fake-quantized
+# student learns from the full-precision model's own distribution instead of (only) the labels.
+# $ torchrun --standalone --nproc_per_node 8 kd_train.py config/llama_qad.py
+teacher_init = "checkpoints/Llama-2-7b"
+init_from = "checkpoints/Llama-2-7b"  # the same weights: the teacher is the student before rounding
+data_dir = "data/llama2"
+out_dir = "out/llama_qad"
+device = "cuda"
+dtype = "bfloat16"
+compile = True
+activation_checkpointing = 1
+quantizer = "8da4w"
+group_size = 32
+fake_quant_after_n_steps = 0  # the teacher already is the warm start
+kd_loss = "fkl"
+kd_ratio = 1.0  # pure self-distillation: the teacher's distribution carries more than the labels
+batch_size = 2
+block_size = 2048
+gradient_accumulation_steps = 32
+max_iters = 1000
+learning_rate = 2e-5
+min_lr = 2e-6
+warmup_iters = 50
+weight_decay = 0.0
+eval_interval = 100
+eval_iters = 20
+log_interval = 10
+ckpt_interval = 200

@@ -1,0 +1,89 @@
+"""Helpers for the training-script tests: tiny token data on disk, a script run as `python` or
+`torchrun`, its log.jsonl read back. Import them with `from conftest import make_data, run, read_log`."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def corpus(n_tokens, vocab_size=256, n_patterns=16, seed=0):
+    """A learnable token stream: random patterns of 4 to 12 tokens, repeated in random order."""
+    rng = np.random.default_rng(seed)
+    patterns = [rng.integers(3, vocab_size, size=rng.integers(4, 13)) for _ in range(n_patterns)]
+    out, n = [], 0
+    while n < n_tokens:
+        out.append(patterns[rng.integers(n_patterns)])
+        n += len(out[-1])
+    return np.concatenate(out)[:n_tokens]
+
+
+def make_data(path, vocab_size=256, train_tokens=8192, val_tokens=1536, seed=0, train=None, val=None,
+              train_mask=None, val_mask=None):
+    """Writes train.bin, val.bin and meta.json as data_prep.py does into the directory path (token
+    arrays default to one corpus() cut in two), plus {split}_mask.bin and has_mask=True when masks
+    (1 = trained on, aligned with the tokens) are given. Returns path as a str."""
+    os.makedirs(path, exist_ok=True)
+    if train is None or val is None:
+        tokens = corpus(train_tokens + val_tokens, vocab_size, seed=seed)
+        train = tokens[:train_tokens] if train is None else train
+        val = tokens[train_tokens:] if val is None else val
+    assert max(np.max(train), np.max(val)) < vocab_size
+    np.asarray(train, dtype=np.uint16).tofile(os.path.join(path, "train.bin"))
+    np.asarray(val, dtype=np.uint16).tofile(os.path.join(path, "val.bin"))
+    has_mask = train_mask is not None
+    if has_mask:
+        for split, tokens, mask in (("train", train, train_mask), ("val", val, val_mask)):
+            assert mask is not None and len(mask) == len(tokens)
+            np.asarray(mask, dtype=np.uint8).tofile(os.path.join(path, f"{split}_mask.bin"))
+    meta = {"vocab_size": vocab_size, "dtype": "uint16", "eos_id": 2, "has_mask": has_mask}
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return str(path)
+
+
+def _flag(key, value):
+    # repr round-trips through the configurator's ast.literal_eval; inf has no literal but 1e999
+    if isinstance(value, float) and math.isinf(value):
+        return f"--{key}={'-' if value < 0 else ''}1e999"
+    if isinstance(value, os.PathLike):
+        value = str(value)
+    return f"--{key}={value!r}"
+
+
+def command(script, *args, nproc=1, **settings):
+    """argv for `python script` (nproc=1) or `torchrun --standalone` (nproc > 1); settings become
+    --key=value flags after the positional args."""
+    script = str(ROOT / script)
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, script, *map(str, args), *(_flag(k, v) for k, v in settings.items())]
+
+
+def script_env(env=None):
+    # a plain `python` run must not inherit a launcher's rank variables
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**base, **(env or {})}
+
+
+def run(script, *args, nproc=1, check=True, env=None, timeout=600, **settings):
+    """Runs a script of the repository (cwd = repository root) to completion; returns the
+    CompletedProcess (text stdout, stderr). check: assert exit code 0, showing stderr if not."""
+    r = subprocess.run(command(script, *args, nproc=nproc, **settings), cwd=ROOT, env=script_env(env),
+                       capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, f"{script} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    return r
+
+
+def read_log(out_dir, name="log.jsonl"):
+    """The records of out_dir/log.jsonl, in order."""
+    with open(os.path.join(out_dir, name)) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,473 @@
+"""kd_train.py end to end on toy models: the logged losses against reference formulas, kd_ratio=0
+against qat_train.py, 2 processes against 1, resume against a straight run, LoRA exports, QAD and
+the errors a user can cause.
+
+Most runs go through run_in_one_process: one Python process executes the script several times
+(runpy), so torch and torchao are imported once rather than once per run; the script builds all
+its state from scratch on every run (seed, process group, models)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, command, make_data, read_log, run, script_env
+
+sys.path.insert(0, str(ROOT))
+from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer, load_adapter, load_checkpoint  # noqa: E402
+
+V = 256  # the data's vocabulary
+ENV = {"OMP_NUM_THREADS": "1"}  # the toy models are far slower with threads competing for 2 cores
+# every run: toy sizes, a log line per step, no matmul benchmark
+BASE = dict(batch_size=4, block_size=32, warmup_iters=0, log_interval=1, eval_interval=1000, eval_iters=1,
+            ckpt_interval=1000, peak_flops=1e12, seed=7)
+
+DRIVER = """
+import contextlib, io, json, runpy, sys, traceback
+import torch.distributed as dist
+root, runs, results_file = sys.argv[1:]
+sys.path.insert(0, root)
+results = []
+for argv in json.loads(runs):
+    sys.argv, err, code = argv, io.StringIO(), 0
+    try:
+        with contextlib.redirect_stderr(err):
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        code = traceback.format_exc()
+    if dist.is_initialized():  # a run that crashed mid-way must not break the next one
+        dist.destroy_process_group()
+    results.append([code, err.getvalue()])
+with open(results_file, "w") as f:
+    json.dump(results, f)
+"""
+
+
+def run_in_one_process(runs, tmp_path, check=True):
+    """Runs [(script, settings), ...] in order in one process; returns [(exit code, stderr)]."""
+    argvs = [command(script, **settings)[1:] for script, settings in runs]
+    results_file = str(tmp_path / "results.json")
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(ROOT), json.dumps(argvs), results_file], cwd=ROOT,
+                       env=script_env(ENV), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    with open(results_file) as f:
+        results = json.load(f)
+    if check:
+        for (script, settings), (code, err) in zip(runs, results):
+            assert code in (0, None), f"{script} {settings} exited {code}:\n{err[-4000:]}"
+    return results
+
+
+def save_model(path, seed, vocab=V, out_scale=1.0):
+    """A toy checkpoint; out_scale sharpens the output distribution, so that divergences are O(1)."""
+    args = ModelArgs(**PRESETS["toy"], vocab_size=vocab)
+    m = Transformer(args)
+    m.init_weights(seed)
+    with torch.no_grad():
+        m.output.weight.mul_(out_scale)
+    torch.save({"model": m.state_dict(), "model_args": vars(args)}, path)
+    return str(path)
+
+
+def load_model(ckpt):
+    """The model of a checkpoint dict or file, in eval mode."""
+    if isinstance(ckpt, (str, os.PathLike)):
+        ckpt = torch.load(ckpt, weights_only=True)
+    m = Transformer(ModelArgs.from_dict(ckpt["model_args"]))
+    m.load_state_dict(ckpt["model"])
+    return m.eval()
+
+
+def train_lines(log):
+    return [r for r in log if "loss" in r]
+
+
+def weights(path):
+    return torch.load(path, weights_only=True)["model"]
+
+
+def assert_same_weights(a, b, atol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kd")
+    n_train, n_val = 8192, 1536
+    rng = np.random.default_rng(1)
+    # prompt/response-like masks: runs of ignored and trained tokens
+    masks = [np.repeat(rng.integers(0, 2, n // 8 + 1), 8)[:n] for n in (n_train, n_val)]
+    return dict(
+        dir=d,
+        data=make_data(d / "data"),
+        masked=make_data(d / "masked", train_mask=masks[0], val_mask=masks[1]),
+        teacher=save_model(d / "teacher.pt", seed=1, out_scale=15.0),
+        teacher320=save_model(d / "teacher320.pt", seed=2, vocab=320, out_scale=15.0),  # 64 padding rows
+        student=save_model(d / "student.pt", seed=3, out_scale=3.0),
+    )
+
+
+# -----------------------------------------------------------------------------
+# the logged losses of the first step against formulas written here
+
+
+def first_batch(data_dir, seed, block_size, global_batch):
+    """The windows of step 0 as kd_train.py draws them: the epoch-0 order seeded by seed."""
+    tokens = np.fromfile(os.path.join(data_dir, "train.bin"), dtype=np.uint16).astype(np.int64)
+    n_windows = (len(tokens) - 1) // block_size
+    order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 1_000_003))
+    starts = [w * block_size for w in order[:global_batch].tolist()]
+    rows = torch.from_numpy(np.stack([tokens[s: s + block_size + 1] for s in starts]))
+    x, y = rows[:, :-1], rows[:, 1:].clone()
+    mask_file = os.path.join(data_dir, "train_mask.bin")
+    if os.path.exists(mask_file):
+        mask = np.fromfile(mask_file, dtype=np.uint8)
+        keep = torch.from_numpy(np.stack([mask[s + 1: s + block_size + 1] for s in starts]).astype(bool))
+        y[~keep] = IGNORE_INDEX
+    return x, y
+
+
+def reference_divergence(kind, s_logits, t_logits, T, beta):
+    """Per-token divergence in float64, from probabilities (no log-space tricks)."""
+    p = F.softmax(t_logits.double() / T, -1)  # teacher
+    q = F.softmax(s_logits.double() / T, -1)  # student
+
+    def kl(a, b):
+        return (a * (a / b).log()).sum(-1)
+
+    if kind == "fkl":
+        return kl(p, q)
+    if kind == "rkl":
+        return kl(q, p)
+    if kind == "skl":
+        return (kl(p, q) + kl(q, p)) / 2
+    m = beta * p + (1 - beta) * q
+    return (beta * kl(p, m) + (1 - beta) * kl(q, m)) / (beta * (1 - beta))
+
+
+@torch.no_grad()
+def reference_record(settings):
+    s = settings
+    global_batch = s["batch_size"] * s.get("gradient_accumulation_steps", 1)
+    x, y = first_batch(s["data_dir"], s["seed"], s["block_size"], global_batch)
+    s_logits, t_logits = load_model(s["init_from"])(x), load_model(s["teacher_init"])(x)
+    s_logits, t_logits = s_logits[..., :V].flatten(0, 1), t_logits[..., :V].flatten(0, 1)  # padding rows dropped
+    y = y.flatten()
+    keep = y != IGNORE_INDEX
+    n = keep.sum()
+    T = s.get("kd_temperature", 1.0)
+    div = reference_divergence(s["kd_loss"], s_logits, t_logits, T, s.get("jsd_beta", 0.5))
+    kd = (div * keep).sum() * T ** 2 / n
+    ce = F.cross_entropy(s_logits.double(), y, ignore_index=IGNORE_INDEX, reduction="sum") / n
+    r = s["kd_ratio"]
+    return {"class_loss": ce.item(), "kd_loss": kd.item(), "loss": ((1 - r) * ce + r * kd).item()}
+
+
+LOSS_CASES = {
+    "fkl": dict(kd_loss="fkl"),
+    "rkl": dict(kd_loss="rkl"),
+    "skl": dict(kd_loss="skl"),
+    "jsd": dict(kd_loss="jsd", jsd_beta=0.3),
+    "jsd-beta-1e-4": dict(kd_loss="jsd", jsd_beta=1e-4),
+    "jsd-beta-0.9999": dict(kd_loss="jsd", jsd_beta=0.9999),
+    # temperature, a prompt mask and a teacher with padding rows
+    "fkl-T2-masked-padded": dict(kd_loss="fkl", kd_temperature=2.0, data="masked", teacher="teacher320"),
+    # 17 * 64 = 1088 tokens a micro-batch: the chunked path (chunks of 1024)
+    "rkl-chunked": dict(kd_loss="rkl", batch_size=17, block_size=64),
+    "jsd-T2-masked-padded-chunked": dict(kd_loss="jsd", jsd_beta=0.7, kd_temperature=2.0, data="masked",
+                                         teacher="teacher320", batch_size=17, block_size=64),
+}
+# exact endpoints of the JSD and a chunked step against an unchunked one, checked against other runs
+EXTRA_CASES = {
+    "jsd-beta-0": dict(kd_loss="jsd", jsd_beta=0.0),
+    "jsd-beta-1": dict(kd_loss="jsd", jsd_beta=1.0),
+    "chunked-1x18": dict(kd_loss="skl", batch_size=18, block_size=64),  # 1152 tokens: 2 chunks
+    "unchunked-2x9": dict(kd_loss="skl", batch_size=9, block_size=64, gradient_accumulation_steps=2),
+}
+
+
+@pytest.fixture(scope="module")
+def loss_runs(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("loss")
+    runs, settings = [], {}
+    for name, case in {**LOSS_CASES, **EXTRA_CASES}.items():
+        case = dict(case)
+        data, teacher = setup[case.pop("data", "data")], setup[case.pop("teacher", "teacher")]
+        s = dict(BASE, data_dir=data, teacher_init=teacher, init_from=setup["student"], out_dir=str(out / name),
+                 max_iters=1, kd_ratio=0.3, learning_rate=1e-2, **case)
+        settings[name] = s
+        runs.append(("kd_train.py", s))
+    run_in_one_process(runs, out)
+    return {name: (s, read_log(s["out_dir"])) for name, s in settings.items()}
+
+
+@pytest.mark.parametrize("name", LOSS_CASES)
+def test_first_step_losses_match_reference(loss_runs, name):
+    settings, log = loss_runs[name]
+    logged = train_lines(log)[0]
+    assert logged["iter"] == 1
+    expected = reference_record(settings)
+    assert expected["kd_loss"] > 0.05  # the models differ: a divergence mix-up would show
+    # near beta = 0 or 1 the script's float32 JSD loses digits to cancellation, amplified by 1 / (beta (1 - beta))
+    rel = 5e-3 if name.startswith("jsd-beta") else 2e-5
+    for key in ("class_loss", "kd_loss", "loss"):
+        assert logged[key] == pytest.approx(expected[key], rel=rel), key
+
+
+def test_jsd_tends_to_forward_and_reverse_kl(loss_runs):
+    first = {name: train_lines(log)[0]["kd_loss"] for name, (_, log) in loss_runs.items()}
+    assert first["fkl"] != pytest.approx(first["rkl"], rel=0.05)  # else the limits prove nothing
+    assert first["jsd-beta-1e-4"] == pytest.approx(first["fkl"], rel=1e-2)
+    assert first["jsd-beta-0.9999"] == pytest.approx(first["rkl"], rel=1e-2)
+    assert first["jsd-beta-0"] == first["fkl"]
+    assert first["jsd-beta-1"] == first["rkl"]
+
+
+def test_chunked_step_equals_unchunked(loss_runs):
+    (sa, log_a), (sb, log_b) = loss_runs["chunked-1x18"], loss_runs["unchunked-2x9"]
+    a, b = train_lines(log_a)[0], train_lines(log_b)[0]
+    for key in ("class_loss", "kd_loss", "grad_norm"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    wa, wb = weights(os.path.join(sa["out_dir"], "model.pt")), weights(os.path.join(sb["out_dir"], "model.pt"))
+    assert_same_weights(wa, wb)
+    assert (wa["output.weight"] - weights(sa["init_from"])["output.weight"]).abs().max() > 1e-3  # it did train
+
+
+# -----------------------------------------------------------------------------
+# kd_ratio=0 is plain cross-entropy training; the teacher is never optimized
+
+TRAIN = dict(BASE, max_iters=3, gradient_accumulation_steps=2, learning_rate=1e-2, min_lr=1e-3, warmup_iters=1,
+             weight_decay=0.1, beta1=0.8, beta2=0.9, grad_clip=0.5)
+
+
+def test_kd_ratio_zero_equals_ce_training(setup, tmp_path):
+    common = dict(TRAIN, data_dir=setup["masked"], init_from=setup["student"])
+    kd = dict(common, out_dir=str(tmp_path / "kd"), teacher_init=setup["teacher"], kd_ratio=0.0)
+    ce = dict(common, out_dir=str(tmp_path / "ce"), quantizer="none")
+    run_in_one_process([("kd_train.py", kd), ("qat_train.py", ce)], tmp_path)
+    kd_log, ce_log = train_lines(read_log(kd["out_dir"])), train_lines(read_log(ce["out_dir"]))
+    assert [r["iter"] for r in kd_log] == [r["iter"] for r in ce_log] == [1, 2, 3]
+    for a, b in zip(kd_log, ce_log):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["class_loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["kd_loss"] > 0.05  # computed, just not trained on
+    kd_ckpt = torch.load(os.path.join(kd["out_dir"], "ckpt.pt"), weights_only=True)
+    final = kd_ckpt["model"]
+    assert_same_weights(final, weights(os.path.join(ce["out_dir"], "ckpt.pt")))
+    wq = "layers.0.attention.wq.weight"
+    assert (final[wq] - weights(setup["student"])[wq]).abs().max() > 1e-3  # it did train
+
+    # the optimizer holds state for exactly the student's parameters: none of the teacher's
+    student_params = set(final)
+    state = kd_ckpt["optimizer"]["state"]
+    assert set(state) == student_params
+    assert sorted(p for g in kd_ckpt["optimizer"]["param_groups"] for p in g["params"]) == sorted(student_params)
+
+
+# -----------------------------------------------------------------------------
+# 2 processes against 1, and resume against a straight run
+
+
+@pytest.fixture(scope="module")
+def parity_runs(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("parity")
+    common = dict(TRAIN, max_iters=4, data_dir=setup["masked"], init_from=setup["student"],
+                  teacher_init=setup["teacher"], kd_ratio=0.6, kd_loss="skl", kd_temperature=1.5)
+    dirs = {k: str(out / k) for k in ("one", "two", "resumed")}
+    run("kd_train.py", nproc=2, env=ENV, **dict(common, out_dir=dirs["two"]))
+    run_in_one_process([
+        ("kd_train.py", dict(common, out_dir=dirs["one"])),
+        # stop after 2 of the 4 steps, on the 4-step schedule, then resume
+        ("kd_train.py", dict(common, out_dir=dirs["resumed"], max_iters=2, lr_decay_iters=4)),
+        ("kd_train.py", dict(common, out_dir=dirs["resumed"], init_from="resume")),
+    ], out)
+    return dirs
+
+
+def assert_same_training(log_a, log_b, rel=1e-5):
+    assert [r["iter"] for r in log_a] == [r["iter"] for r in log_b]
+    for a, b in zip(log_a, log_b):
+        for key in ("loss", "class_loss", "kd_loss", "lr"):
+            assert a[key] == pytest.approx(b[key], rel=rel), (a["iter"], key)
+        # Adam's update barely depends on the gradient's scale, its norm does
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["iter"]
+
+
+def test_two_processes_match_one(parity_runs):
+    one, two = (train_lines(read_log(parity_runs[k])) for k in ("one", "two"))
+    assert [r["iter"] for r in two] == [1, 2, 3, 4]
+    assert_same_training(one, two)
+    assert_same_weights(weights(os.path.join(parity_runs["one"], "model.pt")),
+                        weights(os.path.join(parity_runs["two"], "model.pt")))
+
+
+def test_resume_equals_straight_run(parity_runs):
+    straight, resumed = (train_lines(read_log(parity_runs[k])) for k in ("one", "resumed"))
+    assert [r["iter"] for r in resumed] == [1, 2, 3, 4]
+    assert_same_training(straight, resumed)
+    a = torch.load(os.path.join(parity_runs["one"], "ckpt.pt"), weights_only=True)
+    b = torch.load(os.path.join(parity_runs["resumed"], "ckpt.pt"), weights_only=True)
+    assert a["iter_num"] == b["iter_num"] == 4
+    assert_same_weights(a["model"], b["model"])
+    for k in a["optimizer"]["state"]:
+        torch.testing.assert_close(a["optimizer"]["state"][k]["exp_avg_sq"], b["optimizer"]["state"][k]["exp_avg_sq"])
+
+
+# -----------------------------------------------------------------------------
+# LoRA: merged exports, adapters, resume
+
+LORA = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1, lora_targets=("wq", "wv", "w2", "output"))
+
+
+@pytest.fixture(scope="module")
+def lora_runs(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora")
+    # peak_flops=None: the CPU matmul benchmark must not disturb the dropout RNG that resume restores
+    common = dict(TRAIN, **LORA, max_iters=4, data_dir=setup["data"], init_from=setup["student"],
+                  teacher_init=setup["teacher"], kd_ratio=0.5, learning_rate=3e-2, peak_flops=None)
+    dirs = {k: str(out / k) for k in ("straight", "resumed", "adapter_only")}
+    run_in_one_process([
+        ("kd_train.py", dict(common, out_dir=dirs["straight"], export_format="hf")),
+        ("kd_train.py", dict(common, out_dir=dirs["resumed"], max_iters=2, lr_decay_iters=4)),
+        ("kd_train.py", dict(common, out_dir=dirs["resumed"], init_from="resume")),
+        ("kd_train.py", dict(common, out_dir=dirs["adapter_only"], max_iters=1, save_adapter_only=True)),
+    ], out)
+    return dirs
+
+
+@torch.no_grad()
+def test_lora_merged_exports_match_base_plus_adapters(setup, lora_runs):
+    ckpt = torch.load(os.path.join(lora_runs["straight"], "ckpt.pt"), weights_only=True)
+    assert "layers.0.attention.wq.base.weight" in ckpt["model"] and "output.lora_b" in ckpt["model"]
+    assert ckpt["model"]["layers.1.feed_forward.w2.lora_b"].abs().max() > 1e-3  # the adapters trained
+    # the base weights are frozen
+    student = weights(setup["student"])
+    for name in ("layers.1.attention.wv.weight", "layers.0.feed_forward.w1.weight", "tok_embeddings.weight"):
+        trained = ckpt["model"].get(name.replace(".weight", ".base.weight"), ckpt["model"].get(name))
+        torch.testing.assert_close(trained, student[name], rtol=0, atol=0, msg=name)
+
+    x = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
+    lora_logits = load_model(ckpt)(x)  # eval(): no dropout
+    merged = torch.load(os.path.join(lora_runs["straight"], "model.pt"), weights_only=True)
+    assert merged["model_args"]["lora_rank"] == 0 and not any("lora" in k for k in merged["model"])
+    torch.testing.assert_close(load_model(merged)(x), lora_logits, rtol=0, atol=1e-5)
+    args, sd = load_checkpoint(os.path.join(lora_runs["straight"], "export_hf"))
+    hf = Transformer(args)
+    hf.load_state_dict(sd)
+    torch.testing.assert_close(hf.eval()(x), lora_logits, rtol=0, atol=1e-5)
+    # the student, not the teacher, was exported
+    assert (load_model(setup["teacher"])(x) - lora_logits).abs().max() > 0.1
+
+
+def test_lora_adapter_round_trip(lora_runs):
+    ckpt = torch.load(os.path.join(lora_runs["straight"], "ckpt.pt"), weights_only=True)
+    base_args = ModelArgs.from_dict({**ckpt["model_args"], "lora_rank": 0})
+    settings, sd = load_adapter(os.path.join(lora_runs["straight"], "adapter"), base_args)
+    assert settings["lora_rank"] == LORA["lora_rank"] and settings["lora_alpha"] == LORA["lora_alpha"]
+    assert set(settings["lora_targets"]) == set(LORA["lora_targets"])
+    expected = {k: v for k, v in ckpt["model"].items() if k.endswith(("lora_a", "lora_b"))}
+    assert sd.keys() == expected.keys() and len(sd) == 2 * (3 * 2 + 1)  # 3 targets in 2 layers, plus output
+    for k in sd:
+        torch.testing.assert_close(sd[k], expected[k], rtol=0, atol=0, msg=k)
+
+
+def test_save_adapter_only_writes_no_merged_model(lora_runs):
+    files = os.listdir(lora_runs["adapter_only"])
+    assert "adapter" in files and "model.pt" not in files
+    assert sorted(os.listdir(os.path.join(lora_runs["adapter_only"], "adapter"))) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_lora_resume_equals_straight_run(lora_runs):
+    straight, resumed = (train_lines(read_log(lora_runs[k])) for k in ("straight", "resumed"))
+    assert [r["iter"] for r in resumed] == [1, 2, 3, 4]
+    assert_same_training(straight, resumed)
+    assert_same_weights(weights(os.path.join(lora_runs["straight"], "ckpt.pt")),
+                        weights(os.path.join(lora_runs["resumed"], "ckpt.pt")))
+
+
+# -----------------------------------------------------------------------------
+# QAD, vocabularies, and the errors a user can cause
+
+
+@pytest.fixture(scope="module")
+def misc_runs(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("misc")
+    d = setup["dir"]
+    big_vocab = save_model(d / "student2000.pt", seed=4, vocab=2000)  # another tokenizer, not padding
+    small_vocab = save_model(d / "teacher200.pt", seed=5, vocab=200)
+    common = dict(BASE, data_dir=setup["data"], init_from=setup["student"], teacher_init=setup["teacher"],
+                  max_iters=1)
+    cases = {
+        # QAD: the student starts as the teacher; fake quant from step 1 on
+        "qad": dict(common, init_from=setup["teacher"], quantizer="8da4w", fake_quant_after_n_steps=1, max_iters=3,
+                    learning_rate=1e-3, kd_ratio=1.0),
+        "kd_loss": dict(common, kd_loss="kl"),
+        "kd_ratio": dict(common, kd_ratio=1.5),
+        "kd_ratio_negative": dict(common, kd_ratio=-0.1),
+        "lora_with_quantizer": dict(common, lora_rank=4, quantizer="8da4w"),
+        "adapter_only_without_lora": dict(common, save_adapter_only=True),
+        "student_vocab": dict(common, init_from=big_vocab),
+        "teacher_vocab": dict(common, teacher_init=small_vocab),
+    }
+    for name, s in cases.items():
+        s["out_dir"] = str(out / name)
+    results = run_in_one_process([("kd_train.py", s) for s in cases.values()], out, check=False)
+    return {name: (s, code, err) for (name, s), (code, err) in zip(cases.items(), results)}
+
+
+def test_qad_ends_with_a_converted_model(misc_runs):
+    settings, code, err = misc_runs["qad"]
+    assert code in (0, None), err[-4000:]
+    log = read_log(settings["out_dir"])
+    steps = train_lines(log)
+    # step 1 without fake quant: the student is the teacher, so they agree exactly
+    assert steps[0]["kd_loss"] == pytest.approx(0.0, abs=1e-6) and not steps[0]["fake_quant"]
+    assert steps[1]["kd_loss"] > 1e-5 and steps[1]["fake_quant"]
+    assert any(r.get("event") == "fake_quant_enabled" and r["iter"] == 1 for r in log)
+    summary = log[-1]
+    assert summary["method"] == "qad" and summary["quantizer"] == "8da4w"
+    assert math.isfinite(summary["quant_val_loss"]) and math.isfinite(summary["fp_val_loss"])
+    assert summary["teacher_val_loss"] == pytest.approx(log[0]["teacher_val_loss"])
+    q = torch.load(os.path.join(settings["out_dir"], "quantized.pt"), weights_only=False)
+    assert q["quantizer"] == "8da4w" and "layers.0.attention.wq.weight" in q["model"]
+
+
+ERRORS = {
+    "kd_loss": "kd_loss='kl' is unknown",
+    "kd_ratio": "kd_ratio=1.5 must lie in [0, 1]",
+    "kd_ratio_negative": "kd_ratio=-0.1 must lie in [0, 1]",
+    "lora_with_quantizer": "lora_rank",
+    "adapter_only_without_lora": "save_adapter_only=True needs LoRA",
+    "student_vocab": "the student has 2000 vocabulary rows",
+    "teacher_vocab": "the teacher has only 200",
+}
+
+
+@pytest.mark.parametrize("name", ERRORS)
+def test_user_errors_are_one_clear_line(misc_runs, name):
+    settings, code, err = misc_runs[name]
+    assert code == 2, err[-4000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and ERRORS[name] in lines[0], err
+    assert not os.path.exists(os.path.join(settings["out_dir"], "log.jsonl"))  # failed before any work
+
+
+def test_vocab_mismatch_error_from_a_real_process(misc_runs):
+    # the same check as above, seen from outside: exit code and stderr of a fresh interpreter
+    settings = misc_runs["student_vocab"][0]
+    r = run("kd_train.py", check=False, env=ENV, **settings)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr and "teacher and student must share one" in r.stderr

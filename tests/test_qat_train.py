@@ -1,0 +1,383 @@
+"""qat_train.py end to end on a toy model and a tiny synthetic corpus: one process against two
+(FSDP2 on gloo), accumulation, the fake-quant switch, resume (also after a kill), conversion,
+PTQ, the loss mask, precision and memory options, and every user error."""
+
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+logging.getLogger("torchao").setLevel(logging.ERROR)
+from torchao.quantization import (  # noqa: E402
+    Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_,
+)
+from torchao.quantization.qat import QATConfig  # noqa: E402
+
+from conftest import ROOT as REPO, command, make_data, read_log, run, script_env  # noqa: E402
+from model import IGNORE_INDEX, ModelArgs, Transformer  # noqa: E402
+
+SCRIPT = "qat_train.py"
+# 6 steps of a 2-layer dim-64 model: each run is mostly interpreter and import start-up
+BASE = dict(preset="toy", block_size=32, batch_size=4, gradient_accumulation_steps=2, max_iters=6,
+            warmup_iters=2, learning_rate=1e-2, min_lr=1e-3, eval_interval=1000, eval_iters=2,
+            log_interval=1, ckpt_interval=1000, quantizer="none", seed=1337)
+N = 2  # fake_quant_after_n_steps of the QAT runs: steps 0 and 1 in full precision
+QAT = dict(quantizer="8da4w", group_size=32, fake_quant_after_n_steps=N)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def train(tmp_path_factory, data):
+    """train(nproc=1, **settings) -> out_dir of a finished run of BASE + settings; runs with the
+    same settings are shared by the tests of this module (treat their out_dirs as read-only)."""
+    done = {}
+
+    def _train(nproc=1, **settings):
+        key = (nproc, tuple(sorted(settings.items())))
+        if key not in done:
+            out = tmp_path_factory.mktemp("run")
+            run(SCRIPT, nproc=nproc, **{**BASE, "data_dir": data, "out_dir": out, **settings})
+            done[key] = out
+        return done[key]
+
+    return _train
+
+
+def losses(log):
+    return {r["iter"]: r["loss"] for r in log if "loss" in r}
+
+
+def records(log):
+    return {r["iter"]: r for r in log if "loss" in r}
+
+
+def summary(log):
+    return [r for r in log if "fp_val_loss" in r][-1]
+
+
+def weights(out_dir):
+    return torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)["model"]
+
+
+def assert_same_losses(a, b, rel):
+    assert a.keys() == b.keys()
+    for it in a:
+        assert a[it] == pytest.approx(b[it], rel=rel), f"iter {it}: {a[it]} vs {b[it]}"
+
+
+def max_weight_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def base_config(quantizer, group_size):
+    """The torchao config qat_train.py quantizes Linear layers with ('8daNw' or 'Nw')."""
+    act, bits = re.fullmatch(r"(8da)?([2-8])w", quantizer).groups()
+    w_dtype = getattr(torch, f"int{bits}")
+    if act is None:
+        return IntxWeightOnlyConfig(weight_dtype=w_dtype, granularity=PerGroup(group_size))
+    return Int8DynamicActivationIntxWeightConfig(weight_dtype=w_dtype, weight_granularity=PerGroup(group_size))
+
+
+def is_linear(module, fqn):
+    return isinstance(module, nn.Linear)
+
+
+@torch.no_grad()
+def full_val_loss(model, data_dir, block_size):
+    """Mean cross-entropy over every non-overlapping window of the val split, as the script's
+    final evaluation defines it."""
+    val = torch.from_numpy(np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16).astype(np.int64))
+    n = (len(val) - 1) // block_size
+    x = val[: n * block_size].view(n, block_size)
+    y = val[1: n * block_size + 1].view(n, block_size)
+    return model(x, y).item()
+
+
+# -----------------------------------------------------------------------------
+# distributed and accumulation invariance
+
+# fake quant turns the float noise of a different reduction order into rounding flips, which
+# Adam then amplifies (1e-3 apart after 6 steps): 2 steps stay within float noise
+@pytest.mark.parametrize("settings", [{}, dict(QAT, fake_quant_after_n_steps=0, max_iters=2)], ids=["none", "qat"])
+def test_two_processes_match_one(train, settings):
+    # the same global batch of 8 windows: one process accumulates 2 micro-batches of 4, two
+    # processes take one each and FSDP2 averages their gradients
+    one, two = read_log(train(**settings)), read_log(train(nproc=2, **settings))
+    assert sorted(losses(one)) == list(range(1, settings.get("max_iters", 6) + 1))
+    assert all(r["fake_quant"] == bool(settings) for r in records(one).values())
+    assert_same_losses(losses(two), losses(one), rel=1e-5)
+    # the global gradient norm (clipping at 1.0 is active here) is over both ranks' shards
+    for it, r in records(one).items():
+        assert records(two)[it]["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+        assert records(two)[it]["fake_quant"] == r["fake_quant"]
+    assert max_weight_diff(weights(train(nproc=2, **settings)), weights(train(**settings))) < 1e-5
+    # the final evaluation splits the val windows over the ranks, padding the last round
+    assert summary(two)["fp_val_loss"] == pytest.approx(summary(one)["fp_val_loss"], rel=1e-5)
+    if settings:
+        assert summary(two)["method"] == summary(one)["method"] == "qat"
+        assert summary(two)["quant_val_loss"] == pytest.approx(summary(one)["quant_val_loss"], rel=1e-4)
+
+
+def test_accumulation_invariance(train):
+    # 2 micro-batches of 4 windows == 1 micro-batch of 8: the loss is normalized per step
+    acc, big = train(), train(batch_size=8, gradient_accumulation_steps=1)
+    assert_same_losses(losses(read_log(acc)), losses(read_log(big)), rel=1e-5)
+    assert max_weight_diff(weights(acc), weights(big)) < 1e-5
+
+
+# -----------------------------------------------------------------------------
+# the fake-quant switch, and resume on either side of it
+
+def test_fake_quant_switches_on_at_step_n(train):
+    plain, qat = read_log(train()), read_log(train(**QAT))
+    assert [r["fake_quant"] for r in records(qat).values()] == [it > N for it in range(1, 7)]
+    assert [r["fake_quant"] for r in records(plain).values()] == [False] * 6
+    # iter i logs step i - 1: steps before N are the plain run's exactly, then fake quant shows
+    for it, loss in losses(qat).items():
+        if it <= N:
+            assert loss == pytest.approx(losses(plain)[it], rel=1e-6), it
+        else:
+            assert abs(loss - losses(plain)[it]) > 1e-4, it
+    assert [r["iter"] for r in qat if r.get("event") == "fake_quant_enabled"] == [N]
+    assert summary(qat)["method"] == "qat"
+    assert weights(train(**QAT)).keys() == weights(train()).keys()  # fake quant adds no state
+
+
+def test_resume_across_fake_quant_switch(train, data, tmp_path):
+    # stop a 6-step run (lr_decay_iters keeps its schedule) at 1 (before N), at N and at 4 (after
+    # N); each resume must continue exactly as the straight run
+    straight = train(**QAT)
+    out = tmp_path / "chain"
+    settings = {**BASE, **QAT, "data_dir": data, "out_dir": out, "lr_decay_iters": 6}
+    trained_with_fake_quant = {}
+    for stop in (1, 2, 4, 6):
+        run(SCRIPT, **settings, max_iters=stop, init_from="scratch" if stop == 1 else "resume")
+        ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+        assert ckpt["iter_num"] == stop
+        trained_with_fake_quant[stop] = ckpt["fake_quant"]
+        # a run that stops before any fake-quantized step is a PTQ run
+        assert summary(read_log(out))["method"] == ("qat" if stop > N else "ptq")
+    # the checkpoint records whether its weights were trained with fake quant (convert_only's 'method')
+    assert trained_with_fake_quant == {1: False, 2: False, 4: True, 6: True}
+    log = read_log(out)
+    assert [r["iter"] for r in log if "loss" in r] == list(range(1, 7))  # each step logged once
+    assert [r["fake_quant"] for r in records(log).values()] == [it > N for it in range(1, 7)]
+    assert_same_losses(losses(log), losses(read_log(straight)), rel=1e-6)
+    assert max_weight_diff(weights(out), weights(straight)) < 1e-6
+    assert summary(log)["quant_val_loss"] == pytest.approx(summary(read_log(straight))["quant_val_loss"], rel=1e-6)
+
+
+def test_kill_and_resume_reproduces_straight_run(train, data, tmp_path):
+    steps = 30
+    straight = train(**QAT, max_iters=steps)
+    out = tmp_path / "killed"
+    settings = {**BASE, **QAT, "data_dir": data, "out_dir": out, "max_iters": steps, "ckpt_interval": 2}
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(command(SCRIPT, **settings), cwd=REPO, env=script_env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 120
+            while not (out / "ckpt.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert (out / "ckpt.pt").exists(), (tmp_path / "stderr.txt").read_text()[-4000:]
+    killed_at = torch.load(out / "ckpt.pt", weights_only=True)["iter_num"]
+    assert 0 < killed_at < steps  # else there is nothing left to resume
+    killed_log = read_log(out)
+    assert_same_losses({i: l for i, l in losses(killed_log).items() if i <= killed_at},
+                       {i: l for i, l in losses(read_log(straight)).items() if i <= killed_at}, rel=1e-6)
+    # a kill inside torch.save leaves a partial temp file beside the last good checkpoint
+    os.rename(out / "log.jsonl", out / "killed.jsonl")
+    (out / "ckpt.pt.tmp").write_bytes(b"half a checkpoint")
+    run(SCRIPT, **settings, init_from="resume")
+    log = read_log(out)
+    assert min(losses(log)) == killed_at + 1
+    assert_same_losses(losses(log), {i: l for i, l in losses(read_log(straight)).items() if i > killed_at}, rel=1e-6)
+    assert all(r["fake_quant"] for r in records(log).values())
+    assert max_weight_diff(weights(out), weights(straight)) < 1e-6
+    assert summary(log)["fp_val_loss"] == pytest.approx(summary(read_log(straight))["fp_val_loss"], rel=1e-6)
+    assert not (out / "ckpt.pt.tmp").exists() and not (out / "quantized.pt.tmp").exists()
+
+
+# -----------------------------------------------------------------------------
+# conversion and PTQ
+
+def test_converted_model_matches_fake_quantized_model(train, data):
+    out = train(**QAT)
+    q = torch.load(out / "quantized.pt", weights_only=False)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert (q["quantizer"], q["group_size"]) == ("8da4w", 32)
+    args = ModelArgs.from_dict(q["model_args"])
+    cfg = base_config(q["quantizer"], q["group_size"])
+    assert type(q["model"]["layers.0.attention.wq.weight"]) is not torch.Tensor  # a torchao tensor
+    assert type(q["model"]["tok_embeddings.weight"]) is torch.Tensor  # quantize_embedding=False
+
+    converted = Transformer(args)
+    quantize_(converted, cfg, filter_fn=is_linear)
+    converted.load_state_dict(q["model"], assign=True)
+    plain = Transformer(args)
+    plain.load_state_dict(ckpt["model"])
+    fake = Transformer(args)
+    fake.load_state_dict(ckpt["model"])
+    quantize_(fake, QATConfig(cfg, step="prepare"), filter_fn=is_linear)
+    assert all(m.weight_fake_quantizer.enabled for m in fake.modules() if hasattr(m, "weight_fake_quantizer"))
+
+    tokens = torch.from_numpy(np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16)[:128].astype(np.int64))
+    with torch.no_grad():
+        lq, lf, lp = (m.eval()(tokens.view(2, 64)) for m in (converted, fake, plain))
+    assert (lf - lp).abs().max() > 1e-2  # quantization is visible in the logits...
+    torch.testing.assert_close(lq, lf, rtol=0, atol=1e-4)  # ...and conversion keeps them
+    s = summary(read_log(out))
+    assert full_val_loss(plain, data, BASE["block_size"]) == pytest.approx(s["fp_val_loss"], rel=1e-5)
+    assert full_val_loss(fake, data, BASE["block_size"]) == pytest.approx(s["quant_val_loss"], rel=1e-5)
+    assert s["quant_val_loss"] != pytest.approx(s["fp_val_loss"], rel=1e-4)
+
+
+def test_ptq_of_plain_checkpoint(train, data, tmp_path):
+    base = train()
+    out = tmp_path / "ptq"
+    run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"),
+                   "convert_only": True, "quantizer": "8da2w"})
+    log = read_log(out)
+    assert not losses(log)  # no training
+    s = summary(log)
+    assert s["method"] == "ptq" and s["quantizer"] == "8da2w"
+    # the same weights evaluate the same, and 2-bit rounding costs loss
+    assert s["fp_val_loss"] == pytest.approx(summary(read_log(base))["fp_val_loss"], rel=1e-6)
+    assert s["quant_val_loss"] > s["fp_val_loss"]
+    q = torch.load(out / "quantized.pt", weights_only=False)
+    assert q["quantizer"] == "8da2w" and q["model"].keys() == weights(base).keys()
+
+
+# -----------------------------------------------------------------------------
+# loss mask
+
+def test_loss_mask(tmp_path):
+    # every window is the same 33 tokens (the data repeats with period block_size), so the first
+    # step's batch is known whatever the order, and its loss can be recomputed here
+    V, T = 256, 32
+    rng = np.random.default_rng(1)
+    pattern, mask = rng.integers(0, V, T), rng.integers(0, 2, T)
+    mask[:2] = (0, 1)
+    data = make_data(tmp_path / "data", V, train=np.tile(pattern, 20)[: 19 * T + 1], val=np.tile(pattern, 4)[: 3 * T + 1],
+                     train_mask=np.tile(mask, 20)[: 19 * T + 1], val_mask=np.tile(mask, 4)[: 3 * T + 1])
+    out = tmp_path / "out"
+    run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": out, "max_iters": 2})
+    log = read_log(out)
+    assert all(math.isfinite(l) for l in losses(log).values()) and math.isfinite(summary(log)["fp_val_loss"])
+
+    model = Transformer(ModelArgs.from_dict(torch.load(out / "ckpt.pt", weights_only=True)["model_args"]))
+    model.init_weights(seed=BASE["seed"])  # a scratch run starts from init_weights(seed)
+    x = torch.from_numpy(pattern)[None]
+    y = torch.from_numpy(np.roll(pattern, -1))[None]  # token t + 1 of the window is the target of t
+    y_masked = y.masked_fill(torch.from_numpy(np.roll(mask, -1) == 0)[None], IGNORE_INDEX)
+    with torch.no_grad():
+        masked, unmasked = model(x, y_masked).item(), model(x, y).item()
+    assert losses(log)[1] == pytest.approx(masked, rel=1e-5)
+    assert abs(masked - unmasked) > 100 * 1e-5 * masked  # the check above can tell them apart
+
+
+# -----------------------------------------------------------------------------
+# precision and memory options
+
+def test_bfloat16_mixed_precision(train):
+    fp32, bf16 = train(**QAT), train(**QAT, dtype="bfloat16", mixed_precision=True)
+    log = read_log(bf16)
+    assert sorted(losses(log)) == list(range(1, 7))
+    assert all(math.isfinite(l) for l in losses(log).values())
+    # the same first step computed in bf16: close to the fp32 run, but not bit-equal
+    assert losses(log)[1] == pytest.approx(losses(read_log(fp32))[1], rel=2e-2)
+    assert losses(log)[1] != losses(read_log(fp32))[1]
+    assert all(v.dtype == torch.float32 for v in weights(bf16).values())  # fp32 master weights
+    assert math.isfinite(summary(log)["quant_val_loss"])
+
+
+def test_activation_checkpointing_same_losses(train):
+    plain, ac = train(), train(activation_checkpointing=1)
+    assert_same_losses(losses(read_log(ac)), losses(read_log(plain)), rel=1e-6)
+    assert max_weight_diff(weights(ac), weights(plain)) < 1e-6
+
+
+def test_optimizer_in_backward_matches_optimizer_step(train):
+    # one AdamW per parameter, stepped in backward == one AdamW stepped after backward
+    settings = dict(batch_size=8, gradient_accumulation_steps=1, grad_clip=float("inf"))
+    step, in_bwd = train(**settings), train(**settings, optimizer_in_bwd=True)
+    log = read_log(in_bwd)
+    assert all(r["grad_norm"] is None for r in records(log).values())
+    assert_same_losses(losses(log), losses(read_log(step)), rel=1e-5)
+    assert max_weight_diff(weights(in_bwd), weights(step)) < 1e-5
+    assert losses(log)[6] < losses(log)[1]
+
+
+# -----------------------------------------------------------------------------
+# user errors: exit code 2, one line on stderr, before any work (out_dir not even created)
+
+def test_errors(train, data, tmp_path):
+    no_val = tmp_path / "no_val"
+    shutil.copytree(data, no_val)
+    os.remove(no_val / "val.bin")
+    small = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, multiple_of=32))  # data: 256
+    torch.save({"model": small.state_dict(), "model_args": vars(small.args)}, tmp_path / "small_vocab.pt")
+    other_quantizer = tmp_path / "other_quantizer"
+    other_quantizer.mkdir()
+    shutil.copy(train() / "ckpt.pt", other_quantizer / "ckpt.pt")  # trained with quantizer='none'
+    cases = {  # name: (settings, extra env, words the message must contain)
+        "unknown quantizer": (dict(quantizer="8da9w"), {}, ["quantizer='8da9w'"]),
+        "group_size": (dict(quantizer="8da4w", group_size=48), {}, ["group_size=48"]),  # 48 does not divide 64
+        "missing val.bin": (dict(data_dir=str(no_val)), {}, ["val.bin"]),
+        "vocab": (dict(init_from=str(tmp_path / "small_vocab.pt")), {}, ["256", "64"]),
+        "accumulation": (dict(gradient_accumulation_steps=3), dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0"),
+                         ["gradient_accumulation_steps=3"]),
+        "no such init_from": (dict(init_from=str(tmp_path / "nowhere.pt")), {}, ["init_from"]),
+        "init_from not a checkpoint": (dict(init_from=str(Path(data) / "meta.json")), {}, ["init_from", "checkpoint"]),
+        "float16": (dict(dtype="float16"), {}, ["dtype='float16'"]),
+        "mixed precision in fp32": (dict(mixed_precision=True), {}, ["mixed_precision"]),
+        "resume without checkpoint": (dict(init_from="resume"), {}, ["init_from='resume'", "ckpt.pt"]),
+        "resume with another quantizer": (dict(init_from="resume", quantizer="8da4w", out_dir=str(other_quantizer)),
+                                          {}, ["quantizer='none'"]),
+        "optimizer_in_bwd with accumulation": (dict(optimizer_in_bwd=True, grad_clip=float("inf")), {},
+                                               ["optimizer_in_bwd", "gradient_accumulation_steps"]),
+        "optimizer_in_bwd with clipping": (dict(optimizer_in_bwd=True, gradient_accumulation_steps=1), {},
+                                           ["optimizer_in_bwd", "grad_clip"]),
+        "convert_only without quantizer": (dict(convert_only=True), {}, ["convert_only"]),
+    }
+
+    def attempt(name):
+        settings, env, _ = cases[name]
+        out = tmp_path / re.sub(r"\W", "_", name)
+        t0 = time.perf_counter()
+        r = run(SCRIPT, check=False, env=env, **{**BASE, "data_dir": data, "out_dir": str(out), **settings})
+        return r, time.perf_counter() - t0, Path(settings.get("out_dir", out))
+
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
+        results = dict(zip(cases, pool.map(attempt, cases)))
+    for name, (r, seconds, out) in results.items():
+        # torch's own log lines ("W1130 10:56:20.645 ...") are library noise, not our message
+        lines = [l for l in r.stderr.splitlines() if l.strip() and not re.match(r"[IWE]\d{4} \d\d:\d\d", l)]
+        assert r.returncode == 2, f"{name}: exit {r.returncode}\n{r.stderr[-3000:]}"
+        assert len(lines) == 1 and lines[0].startswith("error: "), f"{name}:\n{r.stderr[-3000:]}"
+        assert all(w in lines[0] for w in cases[name][2]), f"{name}: {lines[0]}"
+        assert not (out / "log.jsonl").exists(), name  # failed before any work
+        assert seconds < 60, name
