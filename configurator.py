@@ -56,6 +56,8 @@ def _convert(value, default, raw, where):
         return float(value)
     if type(default) is tuple and type(value) is list:
         return tuple(value)
+    if type(default) is float and raw is not None and raw.strip().lower() in ("inf", "+inf", "-inf", "nan"):
+        return float(raw)  # --grad_clip=inf: literal_eval knows no infinity
     if type(default) is str and raw is not None:
         return raw  # --out_dir=123 means the directory "123", --dtype=None the string "None"
     raise ConfigError(f"{where} expects {type(default).__name__} (default {default!r}), "

@@ -574,7 +574,7 @@ def save_checkpoint():
     if master_process:
         atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
                      "iter_num": iter_num, "epoch": iter_num // steps_per_epoch, "config": config,
-                     "quantizer": quantizer, "group_size": group_size, "fake_quant": fake_quant_on(iter_num),
+                     "quantizer": quantizer, "group_size": group_size, "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
                      "teacher_init": teacher_init, "rng": rngs}, os.path.join(out_dir, "ckpt.pt"))
 
 

@@ -52,6 +52,7 @@ out_dir = "out/qat"  # ckpt.pt, quantized.pt and log.jsonl go here
 data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from data_prep.py
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint file / Meta / HF directory
 convert_only = False  # skip training: evaluate, convert and save the init_from model
+ptq_baseline = True  # when finetuning a checkpoint with a quantizer, first evaluate PTQ of its weights
 eval_interval = 100  # steps between validation estimates
 eval_iters = 20  # batches per validation estimate; the final evaluation uses the whole split
 log_interval = 10  # steps between log lines (the only steps that sync with the device)
@@ -436,6 +437,23 @@ def full_state_dict(m, to_cpu=True):
     return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=to_cpu))
 
 
+def convert_and_evaluate(state, after_qat):
+    """Builds a plain model from a full state dict, converts it to real low-bit weights and
+    returns (its full validation loss, the model). Every rank converts its own copy and evaluates
+    its share of the split: torchao's quantized tensors are not shardable by FSDP."""
+    with torch.device("meta"):
+        qm = Transformer(model_args)
+    qm.load_state_dict(state, assign=True)
+    qm.reset_buffers(device_str)
+    qm.to(device_str)
+    if after_qat:  # QATConfig's convert step on the prepared model
+        quantize_model(qm, "prepare")
+        quantize_model(qm, "convert")
+    else:  # the same scheme on weights trained without fake quant: post-training quantization
+        quantize_model(qm, "ptq")
+    return evaluate(qm, full=True), qm
+
+
 def atomic_save(obj, path):
     # a crash mid-write leaves the previous file intact
     tmp = path + ".tmp"
@@ -483,7 +501,8 @@ def measure_peak_flops():
             if key in name:
                 return flops if ptdtype == torch.bfloat16 else flops / 2, f"table ({name})"
         return float("nan"), f"unknown GPU {name}; set peak_flops"
-    a, best = torch.randn(1024, 1024, dtype=ptdtype), float("inf")
+    # a generator of its own: drawing from the global one would shift the RNG state resume restores
+    a, best = torch.randn(1024, 1024, dtype=ptdtype, generator=torch.Generator().manual_seed(0)), float("inf")
     for _ in range(6):  # the best of several: the machine may be busy for a moment
         t0 = time.perf_counter()
         for _ in range(4):
@@ -513,6 +532,15 @@ if profile and not convert_only:
         profile_memory=True, record_shapes=True)
 offload_ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if activation_offloading else nullcontext()
 params = [p for p in model.parameters() if p.requires_grad]
+baseline = {}
+if ptq_baseline and qscheme is not None and init_from not in ("scratch", "resume") and not convert_only:
+    # the number QAT has to beat: the starting weights, rounded without any training
+    set_fake_quant(model, False)
+    baseline = {"iter": iter_num, "init_fp_val_loss": evaluate(model, full=True)}
+    baseline["init_ptq_val_loss"] = convert_and_evaluate(full_state_dict(model, to_cpu=False), after_qat=False)[0]
+    log(baseline)
+    if master_process:
+        print(f"start: val loss {baseline['init_fp_val_loss']:.4f} full precision, {baseline['init_ptq_val_loss']:.4f} after PTQ {quantizer}")
 set_fake_quant(model, fake_quant_on(iter_num))
 if master_process and qscheme is not None and not convert_only:
     print(f"fake quant ({quantizer}, group {group_size}) {'on' if fake_quant_on(iter_num) else 'off until step ' + str(fake_quant_after_n_steps)}")
@@ -582,38 +610,30 @@ set_fake_quant(model, False)
 fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss), "quant_val_loss": None}
 if qscheme is not None:
-    # every rank converts its own copy and evaluates its share of the split; torchao's
-    # quantized tensors are not shardable by FSDP, and the converted model is small
-    state = full_state_dict(model, to_cpu=False)
-    del model, raw_model, opt_list
-    optimizer = optimizers = None
-    with torch.device("meta"):
-        qmodel = Transformer(model_args)
-    qmodel.load_state_dict(state, assign=True)
-    qmodel.reset_buffers(device_str)
-    qmodel.to(device_str)
-    # after QAT, convert the prepared model (QATConfig step='convert'); a checkpoint trained
-    # without fake quant gets the same scheme directly: post-training quantization
     qat_trained = ckpt_fake_quant if convert_only else fake_quant_on(iter_num - 1)
-    if qat_trained:
-        quantize_model(qmodel, "prepare")
-        quantize_model(qmodel, "convert")
-    else:
-        quantize_model(qmodel, "ptq")
-    quant_val_loss = evaluate(qmodel, full=True)
+    state = full_state_dict(model, to_cpu=False)
+    del model, raw_model, opt_list  # make room: the converted copy is built on every rank
+    optimizer = optimizers = None
+    quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained)
     summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss),
-                   method="qat" if qat_trained else "ptq", quantizer=quantizer, group_size=group_size)
+                   method="qat" if qat_trained else "ptq", quantizer=quantizer, group_size=group_size, **baseline)
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
                      "iter_num": iter_num, "config": config}, os.path.join(out_dir, "quantized.pt"))
 log(summary)
 if master_process:
-    print(f"\nstep {iter_num}  full precision: val loss {fp_val_loss:.4f}  ppl {math.exp(fp_val_loss):.2f}")
+    rows = []
+    if baseline:
+        rows += [("start, full precision", baseline["init_fp_val_loss"]), (f"start, PTQ {quantizer}", baseline["init_ptq_val_loss"])]
+    rows.append((f"step {iter_num}, full precision", fp_val_loss))
     if qscheme is not None:
-        q = summary["quant_val_loss"]
-        print(f"{summary['method'].upper()} {quantizer} g{group_size}: val loss {q:.4f}  ppl {math.exp(q):.2f}  "
-              f"({100 * (math.exp(q) / math.exp(fp_val_loss) - 1):+.2f}% ppl)  -> {os.path.join(out_dir, 'quantized.pt')}")
+        rows.append((f"step {iter_num}, {summary['method'].upper()} {quantizer} g{group_size}", summary["quant_val_loss"]))
+    print(f"\n{'whole validation split':<36} {'loss':>8} {'ppl':>9}")
+    for name, loss in rows:
+        print(f"{name:<36} {loss:>8.4f} {math.exp(loss):>9.3f}")
+    if qscheme is not None:
+        print(f"converted model: {os.path.join(out_dir, 'quantized.pt')}")
     log_file.close()
     if wandb is not None:
         wandb.finish()

@@ -83,6 +83,45 @@ def run(script, *args, nproc=1, check=True, env=None, timeout=600, **settings):
     return r
 
 
+# runs a script several times in one interpreter, so torch and torchao are imported once
+_DRIVER = r"""
+import contextlib, io, json, os, runpy, sys, traceback
+script, runs = sys.argv[1], json.load(sys.stdin)
+sys.path.insert(0, os.path.dirname(script))
+results = []
+for argv, env in runs:
+    saved_env = dict(os.environ)
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    os.environ.clear()
+    os.environ.update(saved_env)
+    results.append((code, out.getvalue(), err.getvalue()))
+print(json.dumps(results))
+"""
+
+
+def run_early_exits(script, runs, timeout=600):
+    """Runs script once per (settings, env) in runs, all in one fresh Python process: a few
+    seconds of imports instead of a few per run. Only for runs that stop before any real work
+    (config errors: no process group, no training). Returns a CompletedProcess per run, its
+    returncode the SystemExit code (1 for an uncaught exception, whose traceback is in stderr)."""
+    argvs = [(command(script, **settings)[2:], env or {}) for settings, env in runs]
+    r = subprocess.run([sys.executable, "-c", _DRIVER, str(ROOT / script)], input=json.dumps(argvs), cwd=ROOT,
+                       env=script_env(), capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [subprocess.CompletedProcess(argv, code, out, err)
+            for (argv, _), (code, out, err) in zip(argvs, json.loads(r.stdout.splitlines()[-1]))]
+
+
 def read_log(out_dir, name="log.jsonl"):
     """The records of out_dir/log.jsonl, in order."""
     with open(os.path.join(out_dir, name)) as f:

@@ -179,3 +179,10 @@ def test_script_wrapper_exits_2_with_one_line(tmp_path, arg):
     assert p.returncode == 2
     assert p.stderr.startswith("error: ") and p.stderr.count("\n") == 1
     assert p.stdout == ""
+
+
+def test_infinity_for_float_settings():
+    g = {"grad_clip": 1.0}
+    assert apply_config(g, ["grad_clip"], ["--grad_clip=inf"], print_config=False)["grad_clip"] == float("inf")
+    with pytest.raises(ConfigError):
+        apply_config({"grad_clip": 1.0}, ["grad_clip"], ["--grad_clip=infinite"], print_config=False)

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ from torchao.quantization import (  # noqa: E402
 )
 from torchao.quantization.qat import QATConfig  # noqa: E402
 
-from conftest import ROOT as REPO, command, make_data, read_log, run, script_env  # noqa: E402
+from conftest import command, make_data, read_log, run, run_early_exits, script_env  # noqa: E402
 from model import IGNORE_INDEX, ModelArgs, Transformer  # noqa: E402
 
 SCRIPT = "qat_train.py"
@@ -135,13 +134,17 @@ def test_two_processes_match_one(train, settings):
     assert summary(two)["fp_val_loss"] == pytest.approx(summary(one)["fp_val_loss"], rel=1e-5)
     if settings:
         assert summary(two)["method"] == summary(one)["method"] == "qat"
-        assert summary(two)["quant_val_loss"] == pytest.approx(summary(one)["quant_val_loss"], rel=1e-4)
+        # weights 1e-7 apart can round to different 4-bit levels: a handful of flips at most
+        assert summary(two)["quant_val_loss"] == pytest.approx(summary(one)["quant_val_loss"], rel=1e-3)
 
 
 def test_accumulation_invariance(train):
     # 2 micro-batches of 4 windows == 1 micro-batch of 8: the loss is normalized per step
     acc, big = train(), train(batch_size=8, gradient_accumulation_steps=1)
     assert_same_losses(losses(read_log(acc)), losses(read_log(big)), rel=1e-5)
+    # Adam and clipping forgive a gradient scaled by the number of micro-batches; the norm does not
+    for it, r in records(read_log(acc)).items():
+        assert r["grad_norm"] == pytest.approx(records(read_log(big))[it]["grad_norm"], rel=1e-4)
     assert max_weight_diff(weights(acc), weights(big)) < 1e-5
 
 
@@ -171,7 +174,7 @@ def test_resume_across_fake_quant_switch(train, data, tmp_path):
     settings = {**BASE, **QAT, "data_dir": data, "out_dir": out, "lr_decay_iters": 6}
     trained_with_fake_quant = {}
     for stop in (1, 2, 4, 6):
-        run(SCRIPT, **settings, max_iters=stop, init_from="scratch" if stop == 1 else "resume")
+        run(SCRIPT, **{**settings, "max_iters": stop, "init_from": "scratch" if stop == 1 else "resume"})
         ckpt = torch.load(out / "ckpt.pt", weights_only=True)
         assert ckpt["iter_num"] == stop
         trained_with_fake_quant[stop] = ckpt["fake_quant"]
@@ -188,12 +191,14 @@ def test_resume_across_fake_quant_switch(train, data, tmp_path):
 
 
 def test_kill_and_resume_reproduces_straight_run(train, data, tmp_path):
+    # killed right after its first checkpoint (any checkpoint must reproduce, so the timing of
+    # the kill does not matter), then resumed: the steps after it must be the straight run's
     steps = 30
     straight = train(**QAT, max_iters=steps)
     out = tmp_path / "killed"
     settings = {**BASE, **QAT, "data_dir": data, "out_dir": out, "max_iters": steps, "ckpt_interval": 2}
     with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen(command(SCRIPT, **settings), cwd=REPO, env=script_env(),
+        proc = subprocess.Popen(command(SCRIPT, **settings), cwd=ROOT, env=script_env(),
                                 stdout=subprocess.DEVNULL, stderr=err)
         try:
             deadline = time.monotonic() + 120
@@ -211,7 +216,7 @@ def test_kill_and_resume_reproduces_straight_run(train, data, tmp_path):
     # a kill inside torch.save leaves a partial temp file beside the last good checkpoint
     os.rename(out / "log.jsonl", out / "killed.jsonl")
     (out / "ckpt.pt.tmp").write_bytes(b"half a checkpoint")
-    run(SCRIPT, **settings, init_from="resume")
+    run(SCRIPT, **{**settings, "init_from": "resume"})
     log = read_log(out)
     assert min(losses(log)) == killed_at + 1
     assert_same_losses(losses(log), {i: l for i, l in losses(read_log(straight)).items() if i > killed_at}, rel=1e-6)
@@ -250,9 +255,10 @@ def test_converted_model_matches_fake_quantized_model(train, data):
     assert (lf - lp).abs().max() > 1e-2  # quantization is visible in the logits...
     torch.testing.assert_close(lq, lf, rtol=0, atol=1e-4)  # ...and conversion keeps them
     s = summary(read_log(out))
-    assert full_val_loss(plain, data, BASE["block_size"]) == pytest.approx(s["fp_val_loss"], rel=1e-5)
-    assert full_val_loss(fake, data, BASE["block_size"]) == pytest.approx(s["quant_val_loss"], rel=1e-5)
-    assert s["quant_val_loss"] != pytest.approx(s["fp_val_loss"], rel=1e-4)
+    fp, fq = full_val_loss(plain, data, BASE["block_size"]), full_val_loss(fake, data, BASE["block_size"])
+    assert fp == pytest.approx(s["fp_val_loss"], rel=1e-6)
+    assert fq == pytest.approx(s["quant_val_loss"], rel=1e-6)
+    assert abs(s["quant_val_loss"] - s["fp_val_loss"]) > 10 * 1e-6 * s["fp_val_loss"]  # 4-bit weights cost a little
 
 
 def test_ptq_of_plain_checkpoint(train, data, tmp_path):
@@ -271,6 +277,27 @@ def test_ptq_of_plain_checkpoint(train, data, tmp_path):
     assert q["quantizer"] == "8da2w" and q["model"].keys() == weights(base).keys()
 
 
+def test_ptq_baseline_before_qat_finetune(train, data, tmp_path):
+    # finetuning a checkpoint with a quantizer first reports PTQ of the starting weights: it must
+    # equal a convert_only PTQ of that checkpoint, and the starting fp loss its own fp loss
+    base = train()
+    ptq = tmp_path / "ptq"
+    run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": ptq, "init_from": str(base / "ckpt.pt"),
+                   "convert_only": True, "quantizer": "8da2w"})
+    out = tmp_path / "qat"
+    run(SCRIPT, **{**BASE, **QAT, "quantizer": "8da2w", "data_dir": data, "out_dir": out,
+                   "init_from": str(base / "ckpt.pt"), "max_iters": 2})
+    s, p = summary(read_log(out)), summary(read_log(ptq))
+    assert s["init_fp_val_loss"] == pytest.approx(p["fp_val_loss"], rel=1e-6)
+    assert s["init_ptq_val_loss"] == pytest.approx(p["quant_val_loss"], rel=1e-6)
+    assert s["init_ptq_val_loss"] > s["init_fp_val_loss"]
+    # and --ptq_baseline=False skips it
+    out2 = tmp_path / "qat2"
+    run(SCRIPT, **{**BASE, **QAT, "quantizer": "8da2w", "data_dir": data, "out_dir": out2,
+                   "init_from": str(base / "ckpt.pt"), "max_iters": 2, "ptq_baseline": False})
+    assert "init_ptq_val_loss" not in summary(read_log(out2))
+
+
 # -----------------------------------------------------------------------------
 # loss mask
 
@@ -280,7 +307,6 @@ def test_loss_mask(tmp_path):
     V, T = 256, 32
     rng = np.random.default_rng(1)
     pattern, mask = rng.integers(0, V, T), rng.integers(0, 2, T)
-    mask[:2] = (0, 1)
     data = make_data(tmp_path / "data", V, train=np.tile(pattern, 20)[: 19 * T + 1], val=np.tile(pattern, 4)[: 3 * T + 1],
                      train_mask=np.tile(mask, 20)[: 19 * T + 1], val_mask=np.tile(mask, 4)[: 3 * T + 1])
     out = tmp_path / "out"
@@ -364,20 +390,16 @@ def test_errors(train, data, tmp_path):
         "convert_only without quantizer": (dict(convert_only=True), {}, ["convert_only"]),
     }
 
-    def attempt(name):
-        settings, env, _ = cases[name]
-        out = tmp_path / re.sub(r"\W", "_", name)
-        t0 = time.perf_counter()
-        r = run(SCRIPT, check=False, env=env, **{**BASE, "data_dir": data, "out_dir": str(out), **settings})
-        return r, time.perf_counter() - t0, Path(settings.get("out_dir", out))
-
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
-        results = dict(zip(cases, pool.map(attempt, cases)))
-    for name, (r, seconds, out) in results.items():
+    runs = [({**BASE, "data_dir": data, "out_dir": str(tmp_path / re.sub(r"\W", "_", name)), **settings}, env)
+            for name, (settings, env, _) in cases.items()]
+    results = run_early_exits(SCRIPT, runs)  # all in one interpreter: imports once
+    # and one in a process of its own: the exit code and stderr a user sees
+    float16 = runs[list(cases).index("float16")]
+    results.append(run(SCRIPT, check=False, env=float16[1], **float16[0]))
+    for name, (settings, _), r in zip([*cases, "float16"], [*runs, float16], results):
         # torch's own log lines ("W1130 10:56:20.645 ...") are library noise, not our message
         lines = [l for l in r.stderr.splitlines() if l.strip() and not re.match(r"[IWE]\d{4} \d\d:\d\d", l)]
         assert r.returncode == 2, f"{name}: exit {r.returncode}\n{r.stderr[-3000:]}"
         assert len(lines) == 1 and lines[0].startswith("error: "), f"{name}:\n{r.stderr[-3000:]}"
         assert all(w in lines[0] for w in cases[name][2]), f"{name}: {lines[0]}"
-        assert not (out / "log.jsonl").exists(), name  # failed before any work
-        assert seconds < 60, name
+        assert not (Path(settings["out_dir"]) / "log.jsonl").exists(), name  # failed before any work
