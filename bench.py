@@ -89,13 +89,33 @@ def peak_flops(device, dtype, threads):
     return 3 * 2 * 2048 ** 3 / best, f"measured: 2048^3 {dtype} matmul on {threads} thread(s)"
 
 
+def short_val_copy(data_dir, out, n_tokens):
+    """The data with its val split cut to n_tokens (train.bin linked, not copied): the scripts
+    always end with a whole-split evaluation, which is not what a speed run times."""
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(data_dir):
+        dst = os.path.join(out, name)
+        if os.path.lexists(dst):
+            os.remove(dst)
+        if name.startswith("val"):
+            with open(os.path.join(data_dir, name), "rb") as f:
+                meta = json.load(open(os.path.join(data_dir, "meta.json")))
+                itemsize = 1 if "mask" in name else (2 if meta["dtype"] == "uint16" else 4)
+                with open(dst, "wb") as g:
+                    g.write(f.read(n_tokens * itemsize))
+        else:
+            os.symlink(os.path.abspath(os.path.join(data_dir, name)), dst)
+    return out
+
+
 # -----------------------------------------------------------------------------
 def speed(opt):
     out = os.path.join(opt.out_dir, "speed")
     threads = max(1, (os.cpu_count() or 1) // opt.nproc) if opt.nproc > 1 else torch.get_num_threads()
     shape = {k: v for k, v in (("n_layer", opt.n_layer), ("n_embd", opt.n_embd), ("n_head", opt.n_head),
                                ("n_kv_head", opt.n_kv_head)) if v is not None}
-    common = dict(data_dir=opt.data_dir, preset=opt.preset, batch_size=opt.batch_size, block_size=opt.block_size,
+    data_dir = short_val_copy(opt.data_dir, os.path.join(out, "data"), opt.batch_size * opt.nproc * (opt.block_size + 1))
+    common = dict(data_dir=data_dir, preset=opt.preset, batch_size=opt.batch_size, block_size=opt.block_size,
                   gradient_accumulation_steps=opt.nproc, max_iters=opt.warmup + opt.steps, log_interval=1,
                   eval_interval=10 ** 9, eval_iters=1, ckpt_interval=10 ** 9, device=opt.device, group_size=opt.group_size,
                   **shape)
@@ -110,7 +130,8 @@ def speed(opt):
             base = {**common, "dtype": dtype, "compile": bool(comp), "mixed_precision": False}
             variants += [
                 ((dtype, comp, "plain"), "qat_train.py", {**base, "quantizer": "none", "init_from": teacher}),
-                ((dtype, comp, "qat"), "qat_train.py", {**base, "quantizer": opt.quantizer, "init_from": teacher}),
+                ((dtype, comp, "qat"), "qat_train.py", {**base, "quantizer": opt.quantizer, "init_from": teacher,
+                                                         "ptq_baseline": False}),
                 ((dtype, comp, "kd"), "kd_train.py", {**base, "teacher_init": teacher, "init_from": teacher}),
                 ((dtype, comp, "qad"), "kd_train.py", {**base, "teacher_init": teacher, "init_from": teacher,
                                                        "quantizer": opt.quantizer}),
