@@ -48,7 +48,7 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, adapter_state_dict, export_hf, export_meta,
+from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, export_hf, export_meta,
                    flops_per_token, load_checkpoint, mark_only_lora_trainable, merge_lora, save_adapter,
                    to_lora_keys)
 
@@ -92,6 +92,7 @@ quant_skip = ()  # module names left in full precision, e.g. ('output', 'layers.
 # data and batch
 batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
+loss_chunk = 0  # tokens per chunk of the loss (logits recomputed in backward); 0: fp32 logits <= 128 MiB
 gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all processes
 # optimizer and schedule
 max_iters = 300  # optimizer steps
@@ -373,6 +374,9 @@ if activation_checkpointing:
         if i % activation_checkpointing == 0:
             activation_checkpoint(block)
 if compile:
+    # a graph break inside torchao's fake quantizer (seen with torch 2.11 on CUDA) compiles each
+    # linear's shape separately; the default limit of 8 would then fall back to eager mid-model
+    torch._dynamo.config.recompile_limit = 64
     for block in list(model.layers) + list(teacher.layers):
         block.compile()
 
@@ -481,7 +485,7 @@ def divergence(s_logp, t_logp):
     return jsd / (b * (1 - b))
 
 
-def loss_chunk(hs, ht, y):
+def chunk_losses(hs, ht, y):
     """Summed CE and KD over one chunk of tokens: hs (N, Cs), ht (N, Ct), y (N,)."""
     s_logits = model.output(hs).float()  # (N, V), fp32 for this chunk only
     with torch.no_grad():
@@ -497,8 +501,9 @@ def loss_chunk(hs, ht, y):
 
 
 if compile:
-    loss_chunk = torch.compile(loss_chunk)
-chunk_tokens = 1024  # fp32 logits of 1024 tokens at vocab 32000: 131 MB per model
+    chunk_losses = torch.compile(chunk_losses)
+# tokens per chunk: by default 1048 at vocab 32000, whose fp32 logits then take 134 MB per model
+chunk_tokens = loss_chunk or max(1, LOGITS_PER_CHUNK // max(model_args.vocab_size, teacher_args.vocab_size))
 
 
 def distill_loss(x, y):
@@ -508,11 +513,11 @@ def distill_loss(x, y):
         ht = teacher.hidden(x).flatten(0, 1)  # (B*T, Ct)
     y = y.flatten()
     if hs.shape[0] <= chunk_tokens:
-        return loss_chunk(hs, ht, y)
+        return chunk_losses(hs, ht, y)
     ce, kd = torch.zeros((), device=hs.device), torch.zeros((), device=hs.device)
     for c in range(0, hs.shape[0], chunk_tokens):
         sl = slice(c, c + chunk_tokens)
-        ce_c, kd_c = checkpoint(loss_chunk, hs[sl], ht[sl], y[sl], use_reentrant=False)
+        ce_c, kd_c = checkpoint(chunk_losses, hs[sl], ht[sl], y[sl], use_reentrant=False)
         ce, kd = ce + ce_c, kd + kd_c
     return ce, kd
 
@@ -547,7 +552,7 @@ def evaluate(m, full=False, it=0):
     count = torch.zeros((), dtype=torch.long, device=device_str)
     for windows in tqdm(batches, desc="eval", leave=False, disable=not (full and master_process)):
         x, y = get_batch("val", windows)
-        loss_sum += m(x, y, reduction="sum").double()
+        loss_sum += m(x, y, reduction="sum", loss_chunk=loss_chunk).double()
         count += (y != IGNORE_INDEX).sum()
     m.train(was_training)
     total, n = all_reduce_sum(loss_sum.item(), count.item())

@@ -8,8 +8,9 @@ enough to read in one sitting.
   Meta directory loads without renaming; Hugging Face names are mapped in `hf_to_meta`.
 - `forward(tokens, targets)` returns the summed or mean cross-entropy computed in chunks: at
   vocab 32000 and 16k tokens a step, full fp32 logits would take 16384 * 32000 * 4 B = 2.1 GB,
-  and their softmax gradient as much again; chunks of 1024 tokens keep 131 MB alive at a time,
-  and each chunk's logits are recomputed in backward instead of stored.
+  and their softmax gradient as much again; chunks of LOGITS_PER_CHUNK elements (1048 tokens at
+  vocab 32000) keep 134 MB alive at a time, and each chunk's logits are recomputed in backward
+  instead of stored. Batches whose logits fit in one chunk skip the recomputation.
 - LoRA adapters on chosen projections, with helpers to train only them, save them and merge.
 """
 
@@ -32,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100  # targets with this value take no part in the loss
+LOGITS_PER_CHUNK = 2 ** 25  # fp32 logits materialized at once by the chunked losses: 128 MiB
 
 
 @dataclass
@@ -258,14 +260,15 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         return self.norm(h)
 
-    def forward(self, tokens, targets=None, reduction="mean", loss_chunk=1024):
+    def forward(self, tokens, targets=None, reduction="mean", loss_chunk=None):
         """Logits (B, T, V) without targets; with targets (B, T), the cross-entropy over positions
         whose target is not IGNORE_INDEX: its mean, or its sum when reduction='sum' (callers that
         normalize over several micro-batches and ranks divide by the global count themselves)."""
         h = self._hidden(tokens)  # not self.hidden: its FSDP hooks must not nest in forward's
         if targets is None:
             return self.output(h)
-        loss = chunked_cross_entropy(h.flatten(0, 1), self.output, targets.flatten(), loss_chunk)
+        chunk = loss_chunk or max(1, LOGITS_PER_CHUNK // self.args.vocab_size)  # tokens per chunk
+        loss = chunked_cross_entropy(h.flatten(0, 1), self.output, targets.flatten(), chunk)
         if reduction == "sum":
             return loss
         return loss / (targets != IGNORE_INDEX).sum().clamp(min=1)

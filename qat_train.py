@@ -75,6 +75,7 @@ quant_skip = ()  # module names left in full precision, e.g. ('output', 'layers.
 # data and batch
 batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
+loss_chunk = 0  # tokens per chunk of the loss (logits recomputed in backward); 0: fp32 logits <= 128 MiB
 gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all processes
 # optimizer and schedule
 max_iters = 300  # optimizer steps
@@ -318,6 +319,9 @@ if activation_checkpointing:
         if i % activation_checkpointing == 0:
             activation_checkpoint(block)
 if compile:
+    # a graph break inside torchao's fake quantizer (seen with torch 2.11 on CUDA) compiles each
+    # linear's shape separately; the default limit of 8 would then fall back to eager mid-model
+    torch._dynamo.config.recompile_limit = 64
     for block in model.layers:
         block.compile()
     model.output.compile()
@@ -425,7 +429,7 @@ def evaluate(m, full=False, it=0):
     count = torch.zeros((), dtype=torch.long, device=device_str)
     for windows in tqdm(batches, desc="eval", leave=False, disable=not (full and master_process)):
         x, y = get_batch("val", windows)
-        loss_sum += m(x, y, reduction="sum").double()
+        loss_sum += m(x, y, reduction="sum", loss_chunk=loss_chunk).double()
         count += (y != IGNORE_INDEX).sum()
     m.train(was_training)
     total, n = all_reduce_sum(loss_sum.item(), count.item())
@@ -570,7 +574,7 @@ with profiler as prof:
         for micro, (x, y) in enumerate(batches):
             model.set_requires_gradient_sync(micro == len(batches) - 1)  # reduce only once per step
             with offload_ctx:
-                loss = model(x, y, reduction="sum")
+                loss = model(x, y, reduction="sum", loss_chunk=loss_chunk)
             (loss * world_size / n_tokens).backward()
             loss_sum += loss.detach()
         if not optimizer_in_bwd:

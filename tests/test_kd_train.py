@@ -183,15 +183,15 @@ LOSS_CASES = {
     # temperature, a prompt mask and a teacher with padding rows
     "fkl-T2-masked-padded": dict(kd_loss="fkl", kd_temperature=2.0, data="masked", teacher="teacher320"),
     # 17 * 64 = 1088 tokens a micro-batch: the chunked path (chunks of 1024)
-    "rkl-chunked": dict(kd_loss="rkl", batch_size=17, block_size=64),
+    "rkl-chunked": dict(kd_loss="rkl", batch_size=17, block_size=64, loss_chunk=1024),
     "jsd-T2-masked-padded-chunked": dict(kd_loss="jsd", jsd_beta=0.7, kd_temperature=2.0, data="masked",
-                                         teacher="teacher320", batch_size=17, block_size=64),
+                                         teacher="teacher320", batch_size=17, block_size=64, loss_chunk=1024),
 }
 # exact endpoints of the JSD and a chunked step against an unchunked one, checked against other runs
 EXTRA_CASES = {
     "jsd-beta-0": dict(kd_loss="jsd", jsd_beta=0.0),
     "jsd-beta-1": dict(kd_loss="jsd", jsd_beta=1.0),
-    "chunked-1x18": dict(kd_loss="skl", batch_size=18, block_size=64),  # 1152 tokens: 2 chunks
+    "chunked-1x18": dict(kd_loss="skl", batch_size=18, block_size=64, loss_chunk=1024),  # 1152 tokens: 2 chunks
     "unchunked-2x9": dict(kd_loss="skl", batch_size=9, block_size=64, gradient_accumulation_steps=2),
 }
 
