@@ -170,10 +170,26 @@ if device == "cuda" and not torch.cuda.is_available():
     fail("device='cuda' but no CUDA device is visible; use --device=cpu")
 if device == "cpu" and (cpu_offload or activation_offloading):
     fail("cpu_offload and activation_offloading move data off a GPU; they need device='cuda'")
+for name in ("eval_interval", "log_interval", "ckpt_interval", "eval_iters", "batch_size", "block_size", "max_iters"):
+    if globals()[name] < 1 and not (name == "max_iters" and globals()[name] == 0):
+        fail(f"{name}={globals()[name]} must be a positive integer")
+if loss_chunk < 0:
+    fail(f"loss_chunk={loss_chunk} must be 0 (automatic) or a positive number of tokens")
+for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "lr_decay_iters"):
+    if globals()[name] is not None and type(globals()[name]) is not int:
+        fail(f"{name}={globals()[name]!r} must be an integer (or None)")
+if peak_flops is not None and type(peak_flops) not in (int, float):
+    fail(f"peak_flops={peak_flops!r} must be a number of FLOP/s per device (or None)")
+if activation_offloading and not activation_checkpointing and master_process:
+    print("note: activation_offloading without activation_checkpointing copies every saved tensor to the CPU; expect it to be slow")
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
 if init_from == "resume" and not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
     fail(f"init_from='resume' but {os.path.join(out_dir, 'ckpt.pt')} does not exist; train first or pass a checkpoint path")
+if teacher_init in ("scratch", "resume"):
+    fail(f"teacher_init={teacher_init!r}: the teacher must be trained; give a nanotune checkpoint or a Meta / HF directory")
+if lora_rank and init_from == "scratch":
+    fail("lora_rank > 0 trains adapters on frozen weights; give a pretrained student with init_from, or set lora_rank=0")
 for name, path in (("init_from", init_from), ("teacher_init", teacher_init)):
     if path not in ("scratch", "resume") and not os.path.exists(path):
         fail(f"{name}={path!r} does not exist; give a nanotune checkpoint or a Meta / HF directory")
@@ -187,8 +203,9 @@ with open(os.path.join(data_dir, "meta.json")) as f:
 
 
 def load_or_fail(path):
-    try:  # mmap: the weights are paged in as they are copied out, never held twice
-        args, state = load_checkpoint(path)
+    try:  # mmap: the weights are paged in as they are copied out; only rank 0 broadcasts them,
+        # the other ranks need the shapes alone
+        args, state = load_checkpoint(path, weights=master_process)
     except ValueError as e:
         fail(str(e))
     if args.lora_rank:  # a LoRA student of an earlier run: start from its merged weights
@@ -204,8 +221,14 @@ if init_from == "resume":
     # our own checkpoint: model (adapters included), optimizer and position
     ckpt = torch.load(resume_path, map_location="cpu", mmap=True, weights_only=True)
     model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt["model"]
-    if (model_args.lora_rank, ckpt["config"]["quantizer"]) != (lora_rank, quantizer):
-        fail(f"{resume_path} was trained with lora_rank={model_args.lora_rank}, quantizer={ckpt['config']['quantizer']!r}; resume with the same settings")
+    # these decide which batches a step sees, what is trained, or what the weights were trained for
+    same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init", "lora_rank",
+            "lora_alpha", "lora_targets", "quantizer", "group_size", "quantize_embedding", "quant_skip",
+            "fake_quant_after_n_steps")
+    changed = {k: ckpt["config"][k] for k in same if k in ckpt["config"] and ckpt["config"][k] != globals()[k]}
+    if changed:
+        fail(f"{resume_path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
+             f"resume with the same settings or start a new out_dir")
 elif init_from == "scratch":
     shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
     for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
@@ -214,6 +237,9 @@ elif init_from == "scratch":
     model_args = ModelArgs(**shape)
 else:
     model_args, init_state = load_or_fail(init_from)
+# checkpoints with tied embeddings load with output.weight a copy of the embedding; FSDP
+# shards the two in separate units, so they are trained (and saved) untied
+model_args.tie_embeddings = False
 if init_from != "resume":
     model_args.lora_rank, model_args.lora_alpha = lora_rank, lora_alpha
     model_args.lora_dropout, model_args.lora_targets = lora_dropout, tuple(lora_targets)
@@ -222,9 +248,7 @@ if init_from != "resume":
     except ValueError as e:
         fail(str(e))
 teacher_args, teacher_state = load_or_fail(teacher_init)
-# checkpoints with tied embeddings load with output.weight a copy of the embedding; FSDP
-# shards the two in separate units, so they are trained (and saved) untied
-model_args.tie_embeddings = teacher_args.tie_embeddings = False
+teacher_args.tie_embeddings = False
 
 # vocabularies: rows past the tokenizer's size are padding and are sliced off; more rows than
 # padding would explain means the two models were trained with different tokenizers
@@ -252,13 +276,16 @@ if device == "cuda":
     device_str = f"cuda:{local_rank}"
 else:
     device_str = "cpu"
-backend = "nccl" if device == "cuda" else "gloo"
+# on CUDA, gloo beside nccl: with cpu_offload the gradients (and their norm) live on the CPU
+backend = "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
 if ddp:
     dist.init_process_group(backend, device_id=torch.device(device_str) if device == "cuda" else None)
 else:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 mesh = init_device_mesh(device, (world_size,))
 torch.manual_seed(seed + rank)
+torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (the GPU peak table assumes it)
+torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
 if master_process:
@@ -386,8 +413,9 @@ if compile:
 mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
 offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
 for m in (model, teacher):
+    # the teacher never runs backward: its blocks would gain nothing from staying gathered
     kw = dict(mesh=mesh, mp_policy=mp_policy if m is model else MixedPrecisionPolicy(),
-              reshard_after_forward=reshard_after_forward, offload_policy=offload)
+              reshard_after_forward=reshard_after_forward or m is teacher, offload_policy=offload)
     for block in m.layers:
         fully_shard(block, **kw)
     fully_shard(m.tok_embeddings, **kw)
@@ -398,15 +426,15 @@ for m in (model, teacher):
 
 
 def lora_init_state():
-    """Fresh adapters for the student (A random, B zero), made on rank 0 so that every process
-    count starts from the same values."""
-    ref = Transformer(ModelArgs(**{**vars(model_args), "n_layers": 1}))  # one block suffices for shapes
-    ref.init_weights(seed=seed)
-    out = {}
+    """Fresh adapters for the student, made on rank 0 so that every process count starts from the
+    same values: A as nn.Linear's default init, B zero (the student starts as its base model)."""
+    gen, out = torch.Generator().manual_seed(seed), {}
     for name, p in model.named_parameters():
+        t = torch.zeros(p.shape)
+        if name.endswith("lora_a"):
+            nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=gen)
         if name.endswith(("lora_a", "lora_b")):
-            short = re.sub(r"^layers\.\d+\.", "layers.0.", name)
-            out[name] = ref.state_dict()[short].to(param_dtype) if short in ref.state_dict() else torch.zeros(p.shape, dtype=param_dtype)
+            out[name] = t.to(param_dtype)
     return out
 
 
@@ -432,12 +460,15 @@ decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
 no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
-                              lr=learning_rate, betas=(beta1, beta2), fused=device == "cuda" and not cpu_offload)
+                              lr=learning_rate, betas=(beta1, beta2), fused=device == "cuda")
 iter_num = 0
 if init_from == "resume":
     iter_num = ckpt["iter_num"]  # always restored (the reference restored it only in some cases)
     set_optimizer_state_dict(model, optimizer, ckpt["optimizer"] if master_process else {}, options=broadcast)
-    torch.set_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else torch.get_rng_state())
+    if rank < len(ckpt["rng"]):  # a resume on more processes than before keeps fresh states on the new ones
+        torch.set_rng_state(ckpt["rng"][rank]["cpu"])
+        if device == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
+            torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     if master_process:
         print(f"resumed from {resume_path} at step {iter_num}")
 ckpt = None  # free the optimizer state held by rank 0
@@ -490,12 +521,11 @@ def chunk_losses(hs, ht, y):
     s_logits = model.output(hs).float()  # (N, V), fp32 for this chunk only
     with torch.no_grad():
         t_logits = teacher.output(ht).float()
-    v = min(s_logits.shape[-1], t_logits.shape[-1])  # padding rows are not part of the distribution
-    s_logits, t_logits = s_logits[:, :v], t_logits[:, :v]
     keep = y != IGNORE_INDEX
     ce = F.cross_entropy(s_logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
-    s_logp = F.log_softmax(s_logits / kd_temperature, -1)
-    t_logp = F.log_softmax(t_logits / kd_temperature, -1)
+    # rows past the tokenizer's vocabulary are padding, not part of either distribution
+    s_logp = F.log_softmax(s_logits[:, :n_vocab] / kd_temperature, -1)
+    t_logp = F.log_softmax(t_logits[:, :n_vocab] / kd_temperature, -1)
     kd = (divergence(s_logp, t_logp) * keep).sum() * kd_temperature ** 2
     return ce, kd
 
@@ -575,7 +605,8 @@ def save_checkpoint():
     model_sd = full_state_dict(model)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     rngs = [None] * world_size
-    dist.all_gather_object(rngs, torch.get_rng_state())
+    dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
+                                  "cuda": torch.cuda.get_rng_state() if device == "cuda" else None})
     if master_process:
         atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
                      "iter_num": iter_num, "epoch": iter_num // steps_per_epoch, "config": config,
@@ -668,6 +699,7 @@ with profiler as prof:
         # hence the world_size factor
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
         dist.all_reduce(n_tokens)
+        n_tokens.clamp_(min=1)  # a step whose every target is masked contributes nothing, not NaN
         ce_sum, kd_sum = torch.zeros((), device=device_str), torch.zeros((), device=device_str)
         for micro, (x, y) in enumerate(batches):
             model.set_requires_gradient_sync(micro == len(batches) - 1)  # reduce only once per step
@@ -701,6 +733,7 @@ with profiler as prof:
             log(record)
             pbar.set_postfix(loss=f"{loss_val:.4f}", ce=f"{class_loss:.4f}", kd=f"{kd_loss_val:.4f}",
                              tok_s=f"{tps:,.0f}", mfu=f"{record['mfu']:.0%}")
+        t_pause = time.perf_counter()  # evaluation and checkpoints are not training time
         if iter_num % eval_interval == 0 or iter_num == max_iters:
             val_loss = evaluate(model, it=iter_num)
             log({"iter": iter_num, "val_loss": val_loss})
@@ -708,6 +741,7 @@ with profiler as prof:
                 pbar.write(f"step {iter_num}: val loss {val_loss:.4f} (teacher {teacher_val_loss:.4f})")
         if iter_num % ckpt_interval == 0 or iter_num == max_iters:
             save_checkpoint()
+        t0 += time.perf_counter() - t_pause
 pbar.close()
 
 # -----------------------------------------------------------------------------
@@ -717,6 +751,7 @@ set_fake_quant(model, False)
 fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss),
            "teacher_val_loss": teacher_val_loss, "quant_val_loss": None}
+del optimizer, params, decay, no_decay  # make room: with a quantizer every rank gathers the whole student
 state = full_state_dict(model, to_cpu=qscheme is None)  # every rank needs it to convert
 merged_args = ModelArgs(**{**vars(model_args), "lora_rank": 0})
 if master_process:
@@ -734,10 +769,11 @@ if master_process:
 if qscheme is not None:
     # every rank converts its own copy and evaluates its share of the split; torchao's
     # quantized tensors are not shardable by FSDP, and the converted model is small
-    del model, raw_model, teacher, optimizer
+    del model, raw_model, teacher
     with torch.device("meta"):
         qmodel = Transformer(model_args)
-    qmodel.load_state_dict(state, assign=True)
+    qmodel.load_state_dict({k: v.to(ptdtype) for k, v in state.items()}, assign=True)  # the compute dtype
+    del state
     qmodel.reset_buffers(device_str)
     qmodel.to(device_str)
     quantize_model(qmodel, "prepare")  # after QAD: QATConfig's convert step on the prepared model

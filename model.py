@@ -400,18 +400,24 @@ NOT_A_CHECKPOINT = ("init_from={!r} is neither a nanotune checkpoint nor a Meta 
                     "(config.json) directory")
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, weights=True):
     """(ModelArgs, state dict) from a nanotune checkpoint (a file, or a directory holding ckpt.pt),
     a Meta directory (params.json + consolidated.NN.pth) or a Hugging Face Llama directory
     (config.json + model*.safetensors or pytorch_model*.bin). Tensors stay memory-mapped where
-    they can: load them with load_state_dict(assign=True) to avoid a copy."""
+    they can: load them with load_state_dict(assign=True) to avoid a copy. weights=False gives
+    meta tensors (shapes only): what every process but the one that broadcasts the weights needs,
+    without merging shards or permuting in memory."""
     if os.path.isfile(path) or os.path.isfile(os.path.join(path, "ckpt.pt")):
         return _load_nanotune(path if os.path.isfile(path) else os.path.join(path, "ckpt.pt"))
     if os.path.isfile(os.path.join(path, "params.json")) and glob(os.path.join(path, "consolidated.*.pth")):
-        return _load_meta(path)
+        return _load_meta(path, weights)
     if os.path.isfile(os.path.join(path, "config.json")):
-        return _load_hf(path)
+        return _load_hf(path, weights)
     raise ValueError(NOT_A_CHECKPOINT.format(path))
+
+
+def _shapes_only(sd):
+    return {k: torch.empty_like(v, device="meta") for k, v in sd.items()}
 
 
 def _load_nanotune(file):
@@ -429,13 +435,15 @@ def _load_nanotune(file):
     return ModelArgs.from_dict(ckpt["model_args"]), ckpt["model"]
 
 
-def _load_meta(path):
+def _load_meta(path, weights=True):
     with open(os.path.join(path, "params.json")) as f:
         params = json.load(f)
     if params.get("use_scaled_rope"):
         raise ValueError(f"{path} uses Llama 3.1's scaled RoPE, which nanotune does not implement")
     shards = [torch.load(f, mmap=True, weights_only=True, map_location="cpu")
               for f in sorted(glob(os.path.join(path, "consolidated.*.pth")))]
+    if not weights:
+        shards = [_shapes_only(shard) for shard in shards]
     sd = {}
     for k, v in shards[0].items():
         if k == "rope.freqs":  # the original code's precomputed RoPE table; rebuilt from the args here
@@ -449,7 +457,7 @@ def _load_meta(path):
     return _args_for(params, sd), sd
 
 
-def _load_hf(path):
+def _load_hf(path, weights=True):
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     if cfg.get("rope_scaling"):
@@ -463,6 +471,8 @@ def _load_hf(path):
               for k, v in torch.load(f, mmap=True, weights_only=True, map_location="cpu").items()}
     if not hf:
         raise ValueError(f"{path} has a config.json but no model*.safetensors or pytorch_model*.bin files")
+    if not weights:
+        hf = _shapes_only(hf)
     params = dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
                   n_kv_heads=cfg.get("num_key_value_heads"), vocab_size=cfg["vocab_size"],
                   norm_eps=cfg["rms_norm_eps"], rope_theta=cfg.get("rope_theta", 10000.0),

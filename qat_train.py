@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
 
 # torchao's import logs notes about GPU-only kernels and a torch deprecation: not the user's concern
@@ -140,6 +140,18 @@ if device == "cuda" and not torch.cuda.is_available():
     fail("device='cuda' but no CUDA device is visible; use --device=cpu")
 if device == "cpu" and (cpu_offload or activation_offloading):
     fail("cpu_offload and activation_offloading move data off a GPU; they need device='cuda'")
+for name in ("eval_interval", "log_interval", "ckpt_interval", "eval_iters", "batch_size", "block_size", "max_iters"):
+    if globals()[name] < 1 and not (name == "max_iters" and globals()[name] == 0):
+        fail(f"{name}={globals()[name]} must be a positive integer")
+if loss_chunk < 0:
+    fail(f"loss_chunk={loss_chunk} must be 0 (automatic) or a positive number of tokens")
+for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "lr_decay_iters"):
+    if globals()[name] is not None and type(globals()[name]) is not int:
+        fail(f"{name}={globals()[name]!r} must be an integer (or None)")
+if peak_flops is not None and type(peak_flops) not in (int, float):
+    fail(f"peak_flops={peak_flops!r} must be a number of FLOP/s per device (or None)")
+if activation_offloading and not activation_checkpointing and master_process:
+    print("note: activation_offloading without activation_checkpointing copies every saved tensor to the CPU; expect it to be slow")
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
 micro_steps = gradient_accumulation_steps // world_size  # micro-batches per process per step
@@ -147,6 +159,8 @@ if optimizer_in_bwd and micro_steps > 1:
     fail("optimizer_in_bwd=True steps inside backward, so it cannot accumulate gradients; set gradient_accumulation_steps to the number of processes")
 if optimizer_in_bwd and math.isfinite(grad_clip):
     fail("optimizer_in_bwd=True steps before the global gradient norm is known; set grad_clip=float('inf')")
+if convert_only and init_from == "scratch":
+    fail("convert_only=True needs trained weights; set init_from to a checkpoint")
 if convert_only and qscheme is None:
     fail("convert_only=True needs a quantizer, e.g. --quantizer=8da4w")
 if init_from == "resume" and not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
@@ -172,7 +186,8 @@ if init_from == "scratch":
     model_args = ModelArgs(**shape)
 else:
     try:  # mmap: the weights are paged in as they are copied out, never held twice
-        model_args, init_state = load_checkpoint(resume_path)
+        # only rank 0 broadcasts the weights; the others need the shapes alone
+        model_args, init_state = load_checkpoint(resume_path, weights=master_process)
     except ValueError as e:  # e.g. a file that is no checkpoint: one clear line, no traceback
         fail(str(e))
     if os.path.isfile(resume_path):
@@ -190,8 +205,14 @@ if qscheme is not None:
     bad = {k: w for k, w in widths.items() if w % group_size}
     if bad:
         fail(f"group_size={group_size} does not divide the layer widths {bad}; pick a divisor of {math.gcd(*widths.values())}")
-if init_from == "resume" and ckpt.get("config", {}).get("quantizer", quantizer) != quantizer:
-    fail(f"the checkpoint was trained with quantizer={ckpt['config']['quantizer']!r}; resume with the same quantizer")
+if init_from == "resume":
+    # these decide which batches a step sees, or what the weights were trained for
+    same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "quantizer", "group_size",
+            "quantize_embedding", "quant_skip", "fake_quant_after_n_steps")
+    changed = {k: ckpt["config"][k] for k in same if k in ckpt["config"] and ckpt["config"][k] != globals()[k]}
+    if changed:
+        fail(f"{resume_path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
+             f"resume with the same settings or start a new out_dir")
 
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 
@@ -203,13 +224,16 @@ if device == "cuda":
     device_str = f"cuda:{local_rank}"
 else:
     device_str = "cpu"
-backend = "nccl" if device == "cuda" else "gloo"
+# on CUDA, gloo beside nccl: with cpu_offload the gradients (and their norm) live on the CPU
+backend = "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
 if ddp:
     dist.init_process_group(backend, device_id=torch.device(device_str) if device == "cuda" else None)
 else:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 mesh = init_device_mesh(device, (world_size,))
 torch.manual_seed(seed + rank)
+torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (the GPU peak table assumes it)
+torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
 if master_process:
@@ -330,13 +354,10 @@ if compile:
 # which stay gathered through forward and backward, so the chunked loss can reuse them
 mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
 fsdp_kw = dict(mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-               offload_policy=CPUOffloadPolicy() if cpu_offload else None)
-if fsdp_kw["offload_policy"] is None:
-    del fsdp_kw["offload_policy"]
+               offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
 for block in model.layers:
     fully_shard(block, **fsdp_kw)
-if not model_args.tie_embeddings:
-    fully_shard(model.tok_embeddings, **fsdp_kw)
+fully_shard(model.tok_embeddings, **fsdp_kw)
 fully_shard(model, **{**fsdp_kw, "reshard_after_forward": False})  # backward needs the root first
 model.to_empty(device="cpu" if cpu_offload else device_str)
 model.reset_buffers(device_str)
@@ -356,9 +377,10 @@ raw_model = model
 # optimizer: AdamW, weight decay on matrices only
 decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
 no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=device == "cuda" and not cpu_offload)
+opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=device == "cuda")  # fused also runs on CPU-offloaded state
 if optimizer_in_bwd:
     # one optimizer per parameter, stepped by a hook as soon as its gradient is reduced
+    optimizer = None
     optimizers = {p: torch.optim.AdamW([p], weight_decay=weight_decay if p.ndim >= 2 else 0.0, **opt_kw)
                   for p in decay + no_decay}
 
@@ -372,7 +394,7 @@ if optimizer_in_bwd:
 else:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], **opt_kw)
-    opt_list = [optimizer]
+    opt_list, optimizers = [optimizer], None
 
 iter_num = 0
 if init_from == "resume":
@@ -380,7 +402,10 @@ if init_from == "resume":
     set_optimizer_state_dict(model, opt_list if optimizer_in_bwd else optimizer,
                              ckpt["optimizer"] if master_process else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    torch.set_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else torch.get_rng_state())
+    if rank < len(ckpt["rng"]):  # a resume on more processes than before keeps fresh states on the new ones
+        torch.set_rng_state(ckpt["rng"][rank]["cpu"])
+        if device == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
+            torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     if master_process:
         print(f"resumed from {resume_path} at step {iter_num}")
 ckpt_fake_quant = bool(ckpt.get("fake_quant", False))  # how the loaded weights were trained
@@ -470,7 +495,8 @@ def save_checkpoint():
     optim_sd = get_optimizer_state_dict(model, opt_list if optimizer_in_bwd else optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     rngs = [None] * world_size
-    dist.all_gather_object(rngs, torch.get_rng_state())
+    dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
+                                  "cuda": torch.cuda.get_rng_state() if device == "cuda" else None})
     if master_process:
         atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
                      "iter_num": iter_num, "epoch": iter_num // max(steps_per_epoch, 1), "config": config,
@@ -570,6 +596,7 @@ with profiler as prof:
         # hence the world_size factor
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
         dist.all_reduce(n_tokens)
+        n_tokens.clamp_(min=1)  # a step whose every target is masked contributes nothing, not NaN
         loss_sum = torch.zeros((), device=device_str)
         for micro, (x, y) in enumerate(batches):
             model.set_requires_gradient_sync(micro == len(batches) - 1)  # reduce only once per step
@@ -599,6 +626,7 @@ with profiler as prof:
                       "fake_quant": fake_quant_on(iter_num - 1)}
             log(record)
             pbar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.1e}", tok_s=f"{tps:,.0f}", mfu=f"{record['mfu']:.0%}")
+        t_pause = time.perf_counter()  # evaluation and checkpoints are not training time
         if iter_num % eval_interval == 0 or iter_num == max_iters:
             val_loss = evaluate(model, it=iter_num)
             log({"iter": iter_num, "val_loss": val_loss})
@@ -606,6 +634,7 @@ with profiler as prof:
                 pbar.write(f"step {iter_num}: val loss {val_loss:.4f}")
         if iter_num % ckpt_interval == 0 or iter_num == max_iters:
             save_checkpoint()
+        t0 += time.perf_counter() - t_pause
 pbar.close()
 
 # -----------------------------------------------------------------------------
@@ -615,10 +644,12 @@ fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss), "quant_val_loss": None}
 if qscheme is not None:
     qat_trained = ckpt_fake_quant if convert_only else fake_quant_on(iter_num - 1)
-    state = full_state_dict(model, to_cpu=False)
-    del model, raw_model, opt_list  # make room: the converted copy is built on every rank
-    optimizer = optimizers = None
+    # make room first: every rank gathers the whole model (in the compute dtype) and converts it
+    del opt_list, optimizer, optimizers, params, decay, no_decay
+    state = {k: v.to(ptdtype) for k, v in full_state_dict(model, to_cpu=False).items()}
+    del model, raw_model
     quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained)
+    del state
     summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss),
                    method="qat" if qat_trained else "ptq", quantizer=quantizer, group_size=group_size, **baseline)
     if master_process:
