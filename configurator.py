@@ -35,8 +35,10 @@ class ConfigError(Exception):
 
 
 def config_keys(globals_dict):
-    """The settings a script defines: public globals holding plain values, in script order."""
-    return [k for k, v in globals_dict.items() if not k.startswith("_") and isinstance(v, CONFIG_TYPES)]
+    """The settings a script defines: public globals holding plain values, in script order.
+    UPPER_CASE names are constants (often imported, like IGNORE_INDEX), not settings."""
+    return [k for k, v in globals_dict.items()
+            if not k.startswith("_") and not k.isupper() and isinstance(v, CONFIG_TYPES)]
 
 
 def _unknown(key, keys, path=None):

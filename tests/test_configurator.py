@@ -186,3 +186,10 @@ def test_infinity_for_float_settings():
     assert apply_config(g, ["grad_clip"], ["--grad_clip=inf"], print_config=False)["grad_clip"] == float("inf")
     with pytest.raises(ConfigError):
         apply_config({"grad_clip": 1.0}, ["grad_clip"], ["--grad_clip=infinite"], print_config=False)
+
+
+def test_constants_are_not_settings():
+    g = {"IGNORE_INDEX": -100, "LOGITS_PER_CHUNK": 2 ** 25, "batch_size": 4}
+    assert config_keys(g) == ["batch_size"]
+    with pytest.raises(ConfigError, match="IGNORE_INDEX"):
+        apply_config(g, config_keys(g), ["--IGNORE_INDEX=0"], print_config=False)
