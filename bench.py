@@ -12,6 +12,7 @@ $ python bench.py speed --device cuda --preset tinyllama-1.1b --batch_size 8 --b
 Quality (about 20 minutes on a 2-core CPU with the defaults; larger presets for GPUs):
 $ python bench.py quality
 $ python bench.py quality --preset tiny --base_iters 2000 --ft_iters 300 --seeds 3 --device cuda
+$ python bench.py quality --base_ckpt out/bench/quality/base/ckpt.pt --schemes 8da2w --qad_kd_ratio 0.5 --kd_iters 0
 
 Speed: every variant (plain step, QAT step, KD step, QAD step; eager and compiled; each dtype)
 runs for a few steps with a log line per step; the median step after warmup gives ms/step and
@@ -225,8 +226,14 @@ def quality(opt):
                  "learning_rate": opt.base_lr, "min_lr": opt.base_lr / 10, "warmup_iters": max(1, opt.base_iters // 20),
                  "seed": 1}
     base_ckpt = os.path.join(base_dir, "ckpt.pt")
-    print(f"base model: {opt.preset}, {opt.base_iters} steps")
-    base = summary(run("qat_train.py", base_args, base_dir, opt.nproc, quiet=False))
+    if opt.base_ckpt:  # an earlier run's base: its fp loss is read again on this data
+        base_ckpt = opt.base_ckpt
+        print(f"base model: {base_ckpt}")
+        base = summary(run("qat_train.py", {**common, "init_from": base_ckpt, "quantizer": "8da4w", "convert_only": True},
+                           os.path.join(out, "base_eval"), opt.nproc))
+    else:
+        print(f"base model: {opt.preset}, {opt.base_iters} steps")
+        base = summary(run("qat_train.py", base_args, base_dir, opt.nproc, quiet=False))
     teacher_loss = base["fp_val_loss"]
     ft = {**common, "init_from": base_ckpt, "max_iters": opt.ft_iters, "learning_rate": opt.ft_lr,
           "min_lr": opt.ft_lr / 10, "warmup_iters": max(1, opt.ft_iters // 10)}
@@ -252,6 +259,8 @@ def quality(opt):
             r["fp_qat"].append(math.exp(qat["fp_val_loss"]))
             r["fp_qad"].append(math.exp(qad["fp_val_loss"]))
             print(f"  {s}: ppl fp {r['fp'][-1]:.3f}  PTQ {r['ptq'][-1]:.3f}  QAT {r['qat'][-1]:.3f}  QAD {r['qad'][-1]:.3f}")
+        if not opt.kd_iters:
+            continue
         kd_common = {**common, "teacher_init": base_ckpt, "init_from": "scratch", "preset": opt.student_preset,
                      "max_iters": opt.kd_iters, "learning_rate": opt.kd_lr, "min_lr": opt.kd_lr / 10,
                      "warmup_iters": max(1, opt.kd_iters // 10), "seed": seed}
@@ -290,12 +299,14 @@ def quality(opt):
                          f"QAD >= 90%: {100 * statistics.mean(rd):.0f}% {'met' if statistics.mean(rd) >= 0.9 else 'MISSED'}")
     closed = [(c - k) / (c - teacher_loss) for c, k in zip(kd_rows["ce"], kd_rows["kd"])]
     results["kd"] = {**kd_rows, "teacher_val_loss": teacher_loss, "gap_closed": closed}
-    table += ["", "| student | val loss CE only | val loss KD | teacher val loss | gap closed by KD |", "|---|---|---|---|---|",
-              f"| {opt.student_preset} | {ms(kd_rows['ce'])} | {ms(kd_rows['kd'])} | {teacher_loss:.3f} | "
-              f"{100 * statistics.mean(closed):.0f}% ± {100 * (statistics.stdev(closed) if len(closed) > 1 else 0):.0f} |"]
-    notes.append(f"- KD closes >= 30% of the student-teacher gap: {100 * statistics.mean(closed):.0f}% "
-                 f"{'met' if statistics.mean(closed) >= 0.3 else 'MISSED'}")
-    report = (f"Quality: base {opt.preset} trained {opt.base_iters} steps on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
+    if closed:
+        table += ["", "| student | val loss CE only | val loss KD | teacher val loss | gap closed by KD |", "|---|---|---|---|---|",
+                  f"| {opt.student_preset} | {ms(kd_rows['ce'])} | {ms(kd_rows['kd'])} | {teacher_loss:.3f} | "
+                  f"{100 * statistics.mean(closed):.0f}% ± {100 * (statistics.stdev(closed) if len(closed) > 1 else 0):.0f} |"]
+        notes.append(f"- KD closes >= 30% of the student-teacher gap: {100 * statistics.mean(closed):.0f}% "
+                     f"{'met' if statistics.mean(closed) >= 0.3 else 'MISSED'}")
+    origin = opt.base_ckpt or f"{opt.preset} trained {opt.base_iters} steps"
+    report = (f"Quality: base {origin} on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
               f"(lr {opt.ft_lr}), QAD kd_ratio {opt.qad_kd_ratio}; student {opt.student_preset} {opt.kd_iters} steps, "
               f"kd_ratio {opt.kd_ratio}; batch {opt.batch_size} x {opt.block_size}, {opt.dtype}, {opt.seeds} seed(s); "
               f"whole-val-split perplexities, mean ± std over seeds; {time.perf_counter() - t_start:.0f} s\n\n"
@@ -341,12 +352,13 @@ if __name__ == "__main__":
     p.add_argument("--schemes", default="8da4w,8da2w")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--base_iters", type=int, default=600)
+    p.add_argument("--base_ckpt", help="reuse this base model instead of training one")
     p.add_argument("--base_lr", type=float, default=2e-3)
     p.add_argument("--ft_iters", type=int, default=100)
     p.add_argument("--ft_lr", type=float, default=3e-4)
-    p.add_argument("--qad_kd_ratio", type=float, default=1.0)
+    p.add_argument("--qad_kd_ratio", type=float, default=0.5, help="QAD's kd_ratio (kd_train's default)")
     p.add_argument("--student_preset", default="tiny-student")
-    p.add_argument("--kd_iters", type=int, default=300)
+    p.add_argument("--kd_iters", type=int, default=300, help="0 skips the KD comparison")
     p.add_argument("--kd_lr", type=float, default=2e-3)
     p.add_argument("--kd_ratio", type=float, default=0.5)
     opt = p.parse_args()
