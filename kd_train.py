@@ -452,7 +452,6 @@ set_model_state_dict(model, init_state if master_process else {}, options=broadc
 set_model_state_dict(teacher, teacher_state if master_process else {}, options=broadcast)
 del init_state, teacher_state
 teacher.eval()
-raw_model = model
 
 # -----------------------------------------------------------------------------
 # optimizer: AdamW over the trainable parameters (the adapters alone with LoRA), decay on matrices
@@ -769,7 +768,7 @@ if master_process:
 if qscheme is not None:
     # every rank converts its own copy and evaluates its share of the split; torchao's
     # quantized tensors are not shardable by FSDP, and the converted model is small
-    del model, raw_model, teacher
+    del model, teacher
     with torch.device("meta"):
         qmodel = Transformer(model_args)
     qmodel.load_state_dict({k: v.to(ptdtype) for k, v in state.items()}, assign=True)  # the compute dtype

@@ -371,7 +371,6 @@ if master_process and init_state is None:
 set_model_state_dict(model, init_state if master_process else {},
                      options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 del init_state
-raw_model = model
 
 # -----------------------------------------------------------------------------
 # optimizer: AdamW, weight decay on matrices only
@@ -647,7 +646,7 @@ if qscheme is not None:
     # make room first: every rank gathers the whole model (in the compute dtype) and converts it
     del opt_list, optimizer, optimizers, params, decay, no_decay
     state = {k: v.to(ptdtype) for k, v in full_state_dict(model, to_cpu=False).items()}
-    del model, raw_model
+    del model
     quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained)
     del state
     summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss),
