@@ -2,8 +2,9 @@
 A Llama-family decoder (Llama 2, TinyLlama, Mistral-style without the sliding window), small
 enough to read in one sitting.
 
-- Built on the meta device and initialized afterwards (`init_weights` works after `to_empty`),
-  so FSDP can shard a 7B model without any process ever holding it whole.
+- Built on the meta device and initialized afterwards (`init_weights` works after `to_empty`):
+  the training scripts build every rank's model empty, load the weights on rank 0 only, and
+  let FSDP broadcast and shard them.
 - Parameter names follow Meta's checkpoints (tok_embeddings, layers.N.attention.wq, ...), so a
   Meta directory loads without renaming; Hugging Face names are mapped in `hf_to_meta`.
 - `forward(tokens, targets)` returns the summed or mean cross-entropy computed in chunks: at
@@ -21,6 +22,7 @@ import pickle
 import re
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from glob import glob
@@ -227,12 +229,12 @@ class Transformer(nn.Module):
             if name.endswith("lora_b"):
                 p.zero_()
             elif name.endswith("lora_a"):
-                _fill(p, lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=gen))
+                nn.init.kaiming_uniform_(p, a=math.sqrt(5), generator=gen)
             elif p.ndim == 1:  # norm weights
                 p.fill_(1.0)
             else:
                 s = depth_std if re.search(r"\.(wo|w2)\.", name + ".") else std
-                _fill(p, lambda t: nn.init.normal_(t, 0.0, s, generator=gen))
+                nn.init.normal_(p, 0.0, s, generator=gen)
         self.reset_buffers()
 
     @torch.no_grad()
@@ -294,13 +296,6 @@ class Transformer(nn.Module):
         return tokens
 
 
-def _fill(p, init_fn):
-    # DTensor shards (FSDP2) are filled through their local tensor; the result then depends on
-    # the world size, which is fine: scratch runs are compared at equal world size
-    t = p.to_local() if hasattr(p, "to_local") else p
-    init_fn(t)
-
-
 def _ce_chunk(h, output, targets):
     logits = output(h).float()  # upcast one chunk at a time
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -328,12 +323,34 @@ def flops_per_token(args: ModelArgs, seq_len: int):
     return 6 * n + 12 * L * d * seq_len
 
 
+# dense bf16 FLOP/s per device (float32 runs on TF32 tensor cores at half of it)
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def peak_flops(device, dtype):
+    """Per-device peak FLOP/s behind MFU, and where it came from. GPUs: the table above. CPUs:
+    the best rate of a 1024^3 matmul in `dtype` on the current threads, over several tries, since
+    one timing in a busy moment would set the bar low. The scripts measure it again whenever a
+    run goes faster than it (the machine was busy at start-up), so MFU never exceeds 100%."""
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, flops in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return (flops if dtype == torch.bfloat16 else flops / 2), f"table ({name})"
+        return float("nan"), f"unknown GPU {name}; set peak_flops"
+    # a generator of its own: drawing from the global one would shift the RNG state resume restores
+    a = torch.randn(1024, 1024, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 4 * 2 * 1024 ** 3 / best, f"measured {str(dtype).removeprefix('torch.')} matmul"
+
+
 # ---------------------------------------------------------------------------------------------
 # LoRA helpers
-
-def lora_parameters(model):
-    return [p for n, p in model.named_parameters() if n.endswith(("lora_a", "lora_b"))]
-
 
 def mark_only_lora_trainable(model):
     for n, p in model.named_parameters():
