@@ -8,7 +8,9 @@ configure() once, before any expensive work:
     compile = True       # use torch.compile
     ...
     from configurator import configure
-    config = configure(globals())  # final {key: value}, for logging and checkpoints
+    config, overridden = configure(globals(), positive=("batch_size",))
+    # config: the final {key: value}, for logging and checkpoints; overridden: the keys whose
+    # value differs from the script's default
 
     $ python qat_train.py config/tiny.py --batch_size=8 --compile=False
 
@@ -16,8 +18,11 @@ Arguments apply left to right, so later ones win. A positional argument is a Pyt
 exec'd with the current settings in scope; the settings it assigns are copied back (modules,
 functions, classes and _private names it defines are ignored). A --key=value flag is split on
 the first "=" and its value parsed with ast.literal_eval, falling back to the raw string.
-Unknown keys and values whose type does not match the default are errors; -h/--help lists
-the settings. apply_config() raises ConfigError (for tests); configure() prints it and exits 2.
+Unknown keys and values whose type does not match the default are errors, and so are negative
+numbers (every numeric setting here is a count, a size, a rate or a seed) and zero for the
+settings named `positive`. -h/--help lists the settings. The master process prints the settings
+that differ from their defaults. apply_config() raises ConfigError (for tests); configure()
+prints it and exits 2.
 """
 
 import ast
@@ -66,19 +71,25 @@ def _convert(value, default, raw, where):
                       f"got {type(value).__name__} {value!r}")
 
 
-def _print_config(keys, defaults, globals_dict):
-    width = max(map(len, keys), default=0)
-    for k in keys:
-        v, d = globals_dict[k], defaults[k]
-        changed = type(v) is not type(d) or v != d
-        print(f"{k:<{width}} = {v!r}" + (f"  (was {d!r})" if changed else ""))
+def _check_range(key, value, positive):
+    if type(value) not in (int, float):
+        return
+    if value != value or value < 0 or (key in positive and value == 0):
+        need = "a positive number" if key in positive else "a number >= 0"
+        raise ConfigError(f"{key}={value!r} must be {need}")
 
 
-def apply_config(globals_dict, keys, argv=None, master_process=None, print_config=True):
+def changed(defaults, config):
+    """The keys whose value differs from the default (a type change counts: 1 is not 1.0 here)."""
+    return [k for k, d in defaults.items() if type(config[k]) is not type(d) or config[k] != d]
+
+
+def apply_config(globals_dict, keys, argv=None, master_process=None, print_config=True, positive=()):
     """Apply argv (default sys.argv[1:]) to the settings `keys` of globals_dict, in place.
 
-    Returns the final {key: value} in script order. Prints it when print_config and this is
-    the master process (default: env RANK unset or "0"). Raises ConfigError on bad input.
+    Returns the final {key: value} in script order. Prints the settings that changed when
+    print_config and this is the master process (default: env RANK unset or "0"). Raises
+    ConfigError on bad input.
     """
     argv = sys.argv[1:] if argv is None else argv
     if master_process is None:
@@ -121,15 +132,23 @@ def apply_config(globals_dict, keys, argv=None, master_process=None, print_confi
                     raise _unknown(name, keys, arg)
                 globals_dict[name] = _convert(value, defaults[name], None, f"{name} in '{arg}'")
 
+    config = {k: globals_dict[k] for k in keys}
+    for k, v in config.items():
+        _check_range(k, v, positive)
     if print_config and master_process:
-        _print_config(keys, defaults, globals_dict)
-    return {k: globals_dict[k] for k in keys}
+        for k in changed(defaults, config):
+            print(f"{k} = {config[k]!r}  (default {defaults[k]!r})")
+    return config
 
 
-def configure(globals_dict, argv=None, print_config=True):
-    """The call a script makes: config = configure(globals()). Exits 2 with a one-line error."""
+def configure(globals_dict, argv=None, print_config=True, positive=()):
+    """The call a script makes: config, overridden = configure(globals(), positive=(...)).
+    Exits 2 with a one-line error."""
+    keys = config_keys(globals_dict)
+    defaults = {k: globals_dict[k] for k in keys}
     try:
-        return apply_config(globals_dict, config_keys(globals_dict), argv, print_config=print_config)
+        config = apply_config(globals_dict, keys, argv, print_config=print_config, positive=positive)
+        return config, changed(defaults, config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

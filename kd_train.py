@@ -3,7 +3,7 @@ Knowledge distillation (KD) of a Llama-family student from a teacher, with FSDP2
 
 One process (CPU or one GPU): distill the tiny base model into a smaller student
 $ python kd_train.py config/tiny_kd.py
-Several GPUs, e.g. a Llama-2-7B teacher into a TinyLlama-1.1B student with LoRA:
+Several processes (GPUs, or CPU processes on gloo), e.g. Llama-3.1-8B into Llama-3.2-1B:
 $ torchrun --standalone --nproc_per_node 8 kd_train.py config/llama_kd.py
 Quantization-aware self-distillation (QAD): the student is fake-quantized, the teacher is the
 same model in full precision
@@ -26,6 +26,7 @@ import resource
 import sys
 import time
 from contextlib import nullcontext
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -48,9 +49,9 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, export_hf, export_meta,
-                   flops_per_token, load_checkpoint, mark_only_lora_trainable, merge_lora, save_adapter,
-                   to_lora_keys)
+from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, export_hf,
+                   export_meta, flops_per_token, load_checkpoint, mark_only_lora_trainable, merge_lora, peak_flops,
+                   save_adapter, to_lora_keys)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -67,14 +68,14 @@ export_format = "none"  # also write the merged student as a 'meta' or 'hf' dire
 wandb_log = False  # also log to Weights & Biases (imported only then)
 wandb_project = "nanotune"
 wandb_run_name = "kd"
-# student model, for init_from='scratch'
+# student model, for init_from='scratch' (a checkpoint carries its own shape)
 preset = "tiny-student"  # a name from model.PRESETS
-n_layer = None  # None: the preset's value
-n_head = None
-n_kv_head = None
-n_embd = None
+n_layer = 0  # 0: the preset's value
+n_head = 0
+n_kv_head = 0
+n_embd = 0
 # distillation
-kd_loss = "fkl"  # 'fkl' forward KL, 'rkl' reverse KL, 'skl' symmetric KL, 'jsd' generalized Jensen-Shannon
+kd_divergence = "fkl"  # 'fkl' forward KL, 'rkl' reverse KL, 'skl' symmetric KL, 'jsd' generalized Jensen-Shannon
 kd_ratio = 0.5  # weight of the KD term; 1 - kd_ratio goes to cross-entropy with the labels
 kd_temperature = 1.0  # softens both distributions; the KD term is scaled by T^2 to keep its gradient size
 jsd_beta = 0.5  # the JSD's teacher weight in the mixture; -> 0 gives forward KL, -> 1 reverse KL
@@ -88,17 +89,17 @@ quantizer = "none"  # 'none', '8daNw' (int8 dynamic activations, intN weights) o
 group_size = 32  # weights share one scale per group of this many input channels
 fake_quant_after_n_steps = 0  # train in full precision until this step, then fake-quantize
 quantize_embedding = False  # also fake-quantize the token embedding (weight-only, same bits)
-quant_skip = ()  # module names left in full precision, e.g. ('output', 'layers.0.')
+quant_skip = ()  # modules left in full precision, by path, e.g. ('output', 'layers.0')
 # data and batch
 batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
 loss_chunk = 0  # tokens per chunk of the loss (logits recomputed in backward); 0: fp32 logits <= 128 MiB
-gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all processes
+gradient_accumulation_steps = 0  # micro-batches per optimizer step over all processes; 0: one per process
 # optimizer and schedule
 max_iters = 300  # optimizer steps
 learning_rate = 1e-3  # peak learning rate
 min_lr = 1e-4  # the cosine decays to this at lr_decay_iters
-lr_decay_iters = None  # None: max_iters; set it to stop a run early on the schedule of a longer one
+lr_decay_iters = 0  # 0: max_iters; set it to stop a run early on the schedule of a longer one
 warmup_iters = 30  # linear warmup steps
 weight_decay = 0.1  # applied to matrices only
 beta1 = 0.9
@@ -115,15 +116,16 @@ cpu_offload = False  # keep parameters, gradients and optimizer state on the CPU
 reshard_after_forward = True  # free gathered parameters after forward (less memory, more traffic)
 profile = False  # write a torch.profiler trace to out_dir
 profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in steps
-peak_flops = None  # per device, for MFU; None: a table for known GPUs, a measured matmul on CPU
+peak_flops_per_device = 0.0  # for MFU; 0: a table for known GPUs, a measured matmul on CPU
 seed = 1337
 # -----------------------------------------------------------------------------
 from configurator import configure
 
-config = configure(globals())
+config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
+                                                    "log_interval", "ckpt_interval", "kd_temperature"))
 
 # derived values and checks: every mistake a user can make fails here, before any real work
-ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
+torchrun = "RANK" in os.environ  # launched by torchrun: the process group comes from its variables
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 master_process = rank == 0
@@ -135,26 +137,16 @@ def fail(msg):
     sys.exit(2)
 
 
-def parse_quantizer(name):
-    """'8da4w' -> (activation bits 8, weight bits 4); '3w' -> (None, 3); 'none' -> None."""
-    if name == "none":
-        return None
-    m = re.fullmatch(r"(8da)?([2-8])w", name)
-    if not m:
-        fail(f"quantizer={name!r} is unknown; use 'none', '8daNw' (e.g. '8da4w') or 'Nw' (e.g. '4w'), N from 2 to 8")
-    return (8 if m.group(1) else None), int(m.group(2))
-
-
-qscheme = parse_quantizer(quantizer)
-if kd_loss not in ("fkl", "rkl", "skl", "jsd"):
-    fail(f"kd_loss={kd_loss!r} is unknown; use 'fkl', 'rkl', 'skl' or 'jsd'")
-if not 0.0 <= kd_ratio <= 1.0:
-    fail(f"kd_ratio={kd_ratio} must lie in [0, 1]")
-if kd_temperature <= 0:
-    fail(f"kd_temperature={kd_temperature} must be positive")
-if not 0.0 <= jsd_beta <= 1.0:
-    fail(f"jsd_beta={jsd_beta} must lie in [0, 1]")
-if lora_rank and qscheme is not None:
+quant = re.fullmatch(r"(8da)?([2-8])w", quantizer)
+if quantizer != "none" and not quant:
+    fail(f"quantizer={quantizer!r} is unknown; use 'none', '8daNw' (e.g. '8da4w') or 'Nw' (e.g. '4w'), N from 2 to 8")
+# (activation bits or None for weight-only, weight bits), or None without a quantizer
+quant_bits = (8 if quant[1] else None, int(quant[2])) if quant else None
+if kd_divergence not in ("fkl", "rkl", "skl", "jsd"):
+    fail(f"kd_divergence={kd_divergence!r} is unknown; use 'fkl', 'rkl', 'skl' or 'jsd'")
+if kd_ratio > 1 or jsd_beta > 1:
+    fail(f"kd_ratio={kd_ratio} and jsd_beta={jsd_beta} are weights: each must lie in [0, 1]")
+if lora_rank and quant_bits is not None:
     fail("quantizer with lora_rank > 0 is not supported: fake quant would see the base weights but conversion the merged ones; use a full finetune (lora_rank=0) for QAD")
 if save_adapter_only and not lora_rank:
     fail("save_adapter_only=True needs LoRA adapters; set lora_rank > 0")
@@ -164,35 +156,23 @@ if dtype not in ("float32", "bfloat16"):
     fail(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16' (float16 needs loss scaling, which this loop omits)")
 if mixed_precision and dtype != "bfloat16":
     fail("mixed_precision=True needs dtype='bfloat16' (it computes in bf16 over fp32 master weights)")
-if device not in ("cpu", "cuda"):
-    fail(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
-if device == "cuda" and not torch.cuda.is_available():
-    fail("device='cuda' but no CUDA device is visible; use --device=cpu")
+if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+    fail(f"device={device!r} is not available here; use 'cpu' or, with a visible GPU, 'cuda'")
 if device == "cpu" and (cpu_offload or activation_offloading):
     fail("cpu_offload and activation_offloading move data off a GPU; they need device='cuda'")
-for name in ("eval_interval", "log_interval", "ckpt_interval", "eval_iters", "batch_size", "block_size", "max_iters"):
-    if globals()[name] < 1 and not (name == "max_iters" and globals()[name] == 0):
-        fail(f"{name}={globals()[name]} must be a positive integer")
-if loss_chunk < 0:
-    fail(f"loss_chunk={loss_chunk} must be 0 (automatic) or a positive number of tokens")
-for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "lr_decay_iters"):
-    if globals()[name] is not None and type(globals()[name]) is not int:
-        fail(f"{name}={globals()[name]!r} must be an integer (or None)")
-if peak_flops is not None and type(peak_flops) not in (int, float):
-    fail(f"peak_flops={peak_flops!r} must be a number of FLOP/s per device (or None)")
-if activation_offloading and not activation_checkpointing and master_process:
-    print("note: activation_offloading without activation_checkpointing copies every saved tensor to the CPU; expect it to be slow")
+gradient_accumulation_steps = gradient_accumulation_steps or world_size
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
-if init_from == "resume" and not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-    fail(f"init_from='resume' but {os.path.join(out_dir, 'ckpt.pt')} does not exist; train first or pass a checkpoint path")
-if teacher_init in ("scratch", "resume"):
-    fail(f"teacher_init={teacher_init!r}: the teacher must be trained; give a nanotune checkpoint or a Meta / HF directory")
 if lora_rank and init_from == "scratch":
     fail("lora_rank > 0 trains adapters on frozen weights; give a pretrained student with init_from, or set lora_rank=0")
-for name, path in (("init_from", init_from), ("teacher_init", teacher_init)):
-    if path not in ("scratch", "resume") and not os.path.exists(path):
-        fail(f"{name}={path!r} does not exist; give a nanotune checkpoint or a Meta / HF directory")
+resume_path = os.path.join(out_dir, "ckpt.pt")
+for name, path in (("init_from", resume_path if init_from == "resume" else init_from), ("teacher_init", teacher_init)):
+    if path != "scratch" and not os.path.exists(path):
+        fail(f"{name}={globals()[name]!r}: {path} does not exist; give a nanotune checkpoint or a Meta / HF directory"
+             + (" ('resume' needs a run in out_dir)" if path == resume_path else ""))
+shape_overrides = [k for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "preset") if k in overridden]
+if init_from not in ("scratch", "resume") and shape_overrides:  # resume compares them with the checkpoint
+    fail(f"{', '.join(shape_overrides)} shape a student built from scratch; init_from={init_from!r} carries its own shape")
 if init_from == "scratch" and preset not in PRESETS:
     fail(f"preset={preset!r} is unknown; choose from {sorted(PRESETS)}")
 for name in ("train.bin", "val.bin", "meta.json"):
@@ -215,7 +195,6 @@ def load_or_fail(path):
 
 
 # the student's shape: from the checkpoint, or from the preset and overrides; then our LoRA
-resume_path = os.path.join(out_dir, "ckpt.pt")
 init_state, ckpt = None, {}
 if init_from == "resume":
     # our own checkpoint: model (adapters included), optimizer and position
@@ -223,7 +202,8 @@ if init_from == "resume":
     model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt["model"]
     # these decide which batches a step sees, what is trained, or what the weights were trained for
     same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init", "lora_rank",
-            "lora_alpha", "lora_targets", "quantizer", "group_size", "quantize_embedding", "quant_skip",
+            "preset", "n_layer", "n_head", "n_kv_head", "n_embd",
+            "lora_alpha", "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding", "quant_skip",
             "fake_quant_after_n_steps")
     changed = {k: ckpt["config"][k] for k in same if k in ckpt["config"] and ckpt["config"][k] != globals()[k]}
     if changed:
@@ -232,8 +212,7 @@ if init_from == "resume":
 elif init_from == "scratch":
     shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
     for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
-        if value is not None:
-            shape[key] = value
+        shape[key] = value or shape.get(key)
     model_args = ModelArgs(**shape)
 else:
     model_args, init_state = load_or_fail(init_from)
@@ -260,29 +239,30 @@ for who, args in (("student", model_args), ("teacher", teacher_args)):
         fail(f"the {who} has {args.vocab_size} vocabulary rows but the data's tokenizer only {n_vocab}: more than padding, so the {who} uses another tokenizer; teacher and student must share one")
 if block_size > min(model_args.max_seq_len, teacher_args.max_seq_len):
     fail(f"block_size={block_size} exceeds max_seq_len (student {model_args.max_seq_len}, teacher {teacher_args.max_seq_len})")
-if qscheme is not None:
-    widths = {"dim": model_args.dim, "hidden": model_args.hidden_dim}
-    bad = {k: w for k, w in widths.items() if w % group_size}
-    if bad:
-        fail(f"group_size={group_size} does not divide the student's layer widths {bad}; pick a divisor of {math.gcd(*widths.values())}")
+if quant_bits is not None and (bad := {k: w for k, w in (("dim", model_args.dim), ("hidden", model_args.hidden_dim)) if w % group_size}):
+    fail(f"group_size={group_size} does not divide the student's layer widths {bad}; pick a divisor of {math.gcd(model_args.dim, model_args.hidden_dim)}")
+with torch.device("meta"):
+    module_paths = {name for name, _ in Transformer(model_args).named_modules()}
+quant_skip = config["quant_skip"] = tuple(s.rstrip(".") for s in quant_skip)  # 'layers.0.' means 'layers.0'
+if unknown := [s for s in quant_skip if s not in module_paths]:
+    fail(f"quant_skip names {unknown}, which are not modules of the student; use paths such as 'output' or 'layers.0'")
 
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 
 # -----------------------------------------------------------------------------
 # distributed init: a process group even for one process, so that one code path (FSDP2 on a
 # mesh of size 1) serves both `python` and `torchrun`
-if device == "cuda":
-    torch.cuda.set_device(local_rank)
-    device_str = f"cuda:{local_rank}"
-else:
-    device_str = "cpu"
+device_type = device
+if device_type == "cuda":
+    device = f"cuda:{local_rank}"
+    torch.cuda.set_device(device)
 # on CUDA, gloo beside nccl: with cpu_offload the gradients (and their norm) live on the CPU
-backend = "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
-if ddp:
-    dist.init_process_group(backend, device_id=torch.device(device_str) if device == "cuda" else None)
+backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+if torchrun:
+    dist.init_process_group(backend, device_id=torch.device(device) if device_type == "cuda" else None)
 else:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-mesh = init_device_mesh(device, (world_size,))
+mesh = init_device_mesh(device_type, (world_size,))
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (the GPU peak table assumes it)
 torch.backends.cudnn.allow_tf32 = True
@@ -290,7 +270,7 @@ ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
-    print(f"{world_size} process(es) on {device}, {tokens_per_iter:,} tokens per step")
+    print(f"{world_size} process(es) on {device_type}, {tokens_per_iter:,} tokens per step")
 
 # -----------------------------------------------------------------------------
 # data: non-overlapping windows of block_size + 1 tokens; each epoch visits every window once
@@ -305,25 +285,30 @@ def memmap(split, mask=False):
                      dtype=np.uint8 if mask else data_dtype, mode="r")
 
 
-n_windows = {s: (len(memmap(s)) - 1) // block_size for s in ("train", "val")}
+n_targets = {s: len(memmap(s)) - 1 for s in ("train", "val")}  # every token but the first is a target
+n_windows = {s: n // block_size for s, n in n_targets.items()}  # whole windows, for training and estimates
 global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step
 steps_per_epoch = n_windows["train"] // global_batch
 if steps_per_epoch == 0:
     fail(f"the train split has {n_windows['train']} windows of {block_size + 1} tokens, fewer than one step's {global_batch}; lower batch_size or block_size")
 if n_windows["val"] == 0:
     fail(f"the val split of {data_dir} is shorter than block_size + 1 = {block_size + 1} tokens; use a larger val_fraction in data_prep.py")
-_perm_cache = {}
 
 
+def generator(*keys):
+    # seeded by (seed, *keys) through numpy's SeedSequence, which mixes its inputs so that
+    # neighbouring keys (step 7 and 8, rank 0 and 1) still give unrelated streams
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, *keys]).generate_state(1)[0]))
+
+
+@lru_cache(maxsize=1)  # one epoch at a time: a permutation of every train window
 def epoch_order(epoch):
-    if epoch not in _perm_cache:
-        _perm_cache.clear()
-        _perm_cache[epoch] = torch.randperm(n_windows["train"], generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return _perm_cache[epoch]
+    return torch.randperm(n_windows["train"], generator=generator(epoch))
 
 
 def get_batch(split, windows):
-    """Inputs and targets (B, T) for window indices; windows < 0 are padding, fully ignored."""
+    """Inputs and targets (B, T) for window indices; windows < 0 are padding, and targets past
+    the end of the split (the last, partial window) are ignored."""
     data = memmap(split)
     mask = memmap(split, mask=True) if has_mask else None
     x = torch.zeros(len(windows), block_size, dtype=torch.long)
@@ -332,12 +317,13 @@ def get_batch(split, windows):
         if w < 0:
             continue
         chunk = torch.from_numpy(data[w * block_size: w * block_size + block_size + 1].astype(np.int64))
-        x[i], y[i] = chunk[:-1], chunk[1:]
+        n = len(chunk) - 1
+        x[i, :n], y[i, :n] = chunk[:-1], chunk[1:]
         if mask is not None:  # prompt tokens are context only: no loss on them
-            m = torch.from_numpy(mask[w * block_size + 1: w * block_size + block_size + 1].astype(bool))
-            y[i][~m] = IGNORE_INDEX
-    if device == "cuda":
-        return x.pin_memory().to(device_str, non_blocking=True), y.pin_memory().to(device_str, non_blocking=True)
+            m = torch.from_numpy(mask[w * block_size + 1: w * block_size + n + 1].astype(bool))
+            y[i, :n][~m] = IGNORE_INDEX
+    if device_type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x, y
 
 
@@ -362,8 +348,8 @@ if lora_rank:
     mark_only_lora_trainable(model)
 
 
-def quantize_filter(module, fqn):
-    if any(fqn.startswith(s) for s in quant_skip):
+def quantize_filter(module, path):
+    if any(path == s or path.startswith(s + ".") for s in quant_skip):
         return False
     if isinstance(module, nn.Embedding):
         return quantize_embedding
@@ -372,7 +358,7 @@ def quantize_filter(module, fqn):
 
 def base_config(for_embedding=False):
     """The torchao config of the real quantized model; QAT derives its fake quantizers from it."""
-    act_bits, w_bits = qscheme
+    act_bits, w_bits = quant_bits
     w_dtype = getattr(torch, f"int{w_bits}")
     if for_embedding or act_bits is None:
         return IntxWeightOnlyConfig(weight_dtype=w_dtype, granularity=PerGroup(group_size))
@@ -383,7 +369,7 @@ def quantize_model(m, step):
     """step 'prepare' (fake quant), 'convert' (after prepare) or 'ptq' (plain weights -> int)."""
     for is_emb in (False, True):
         cfg = base_config(for_embedding=is_emb)
-        fn = lambda mod, fqn: quantize_filter(mod, fqn) and isinstance(mod, nn.Embedding) == is_emb
+        fn = lambda mod, path: quantize_filter(mod, path) and isinstance(mod, nn.Embedding) == is_emb
         quantize_(m, cfg if step == "ptq" else QATConfig(cfg, step=step), filter_fn=fn)
 
 
@@ -394,7 +380,7 @@ def set_fake_quant(m, enabled):
                 fq.enabled = enabled
 
 
-if qscheme is not None:
+if quant_bits is not None:
     quantize_model(model, "prepare")
 if activation_checkpointing:
     for i, block in enumerate(model.layers):
@@ -421,8 +407,8 @@ for m in (model, teacher):
     fully_shard(m.tok_embeddings, **kw)
     fully_shard(m, **{**kw, "reshard_after_forward": False})  # the root stays gathered: see above
     register_fsdp_forward_method(m, "hidden")  # FSDP's gathering hooks also run for .hidden()
-    m.to_empty(device="cpu" if cpu_offload else device_str)
-    m.reset_buffers(device_str)
+    m.to_empty(device="cpu" if cpu_offload else device)
+    m.reset_buffers(device)
 
 
 def lora_init_state():
@@ -459,17 +445,19 @@ decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
 no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
-                              lr=learning_rate, betas=(beta1, beta2), fused=device == "cuda")
+                              lr=learning_rate, betas=(beta1, beta2), fused=device_type == "cuda")
 iter_num = 0
 if init_from == "resume":
-    iter_num = ckpt["iter_num"]  # always restored (the reference restored it only in some cases)
+    iter_num = ckpt["iter_num"]
     set_optimizer_state_dict(model, optimizer, ckpt["optimizer"] if master_process else {}, options=broadcast)
     if rank < len(ckpt["rng"]):  # a resume on more processes than before keeps fresh states on the new ones
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
-        if device == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
+        if device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     if master_process:
         print(f"resumed from {resume_path} at step {iter_num}")
+start_iter = iter_num
+ckpt_fake_quant = bool(ckpt.get("fake_quant"))  # resume has checked that the quantization settings match
 ckpt = None  # free the optimizer state held by rank 0
 
 
@@ -482,7 +470,7 @@ def get_lr(it):
 
 
 def fake_quant_on(it):
-    return qscheme is not None and it >= fake_quant_after_n_steps
+    return quant_bits is not None and it >= fake_quant_after_n_steps
 
 
 # -----------------------------------------------------------------------------
@@ -494,11 +482,11 @@ def divergence(s_logp, t_logp):
     """Per-token divergence (N,) between teacher and student log-probabilities (N, V)."""
     def kl(p_logp, q_logp):  # KL(p || q)
         return (p_logp.exp() * (p_logp - q_logp)).sum(-1)
-    if kd_loss == "fkl":
+    if kd_divergence == "fkl":
         return kl(t_logp, s_logp)  # mass-covering: the student must cover all the teacher's modes
-    if kd_loss == "rkl":
+    if kd_divergence == "rkl":
         return kl(s_logp, t_logp)  # mode-seeking
-    if kd_loss == "skl":
+    if kd_divergence == "skl":
         return 0.5 * (kl(t_logp, s_logp) + kl(s_logp, t_logp))
     # generalized JSD (Agarwal et al., 2024) with mixture m = beta * teacher + (1 - beta) * student,
     # divided by beta * (1 - beta) so that it tends to forward KL as beta -> 0, reverse KL as -> 1
@@ -555,37 +543,30 @@ def distill_loss(x, y):
 # helpers: evaluation, checkpointing, logging
 
 
-def all_reduce_sum(*values):
-    t = torch.tensor(values, dtype=torch.float64, device=device_str)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 @torch.no_grad()
 def evaluate(m, full=False, it=0):
     """Mean validation loss (CE with the labels): eval_iters random batches, or (full=True) every
-    window of the split exactly once. Every rank runs the same number of forwards (padding with
-    ignored windows), since an FSDP forward is a collective."""
+    token of the split exactly once, the last partial window included. Every rank runs the same
+    number of forwards (padding with ignored windows), since an FSDP forward is a collective."""
     was_training = m.training
     m.eval()
     if full:
-        per_round = batch_size * world_size
-        n_rounds = -(-n_windows["val"] // per_round)
-        order = torch.arange(n_rounds * per_round)
-        order[order >= n_windows["val"]] = -1
+        n = math.ceil(n_targets["val"] / block_size)
+        n_rounds = math.ceil(n / (batch_size * world_size))
+        order = torch.arange(n_rounds * batch_size * world_size)
+        order[order >= n] = -1
         batches = order.view(n_rounds, world_size, batch_size)[:, rank]
     else:
-        g = torch.Generator().manual_seed(seed * 7919 + it * 101 + rank)
-        batches = torch.randint(n_windows["val"], (eval_iters, batch_size), generator=g)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device_str)
-    count = torch.zeros((), dtype=torch.long, device=device_str)
+        batches = torch.randint(n_windows["val"], (eval_iters, batch_size), generator=generator(it, rank, 1))
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, target count)
     for windows in tqdm(batches, desc="eval", leave=False, disable=not (full and master_process)):
         x, y = get_batch("val", windows)
-        loss_sum += m(x, y, reduction="sum", loss_chunk=loss_chunk).double()
-        count += (y != IGNORE_INDEX).sum()
+        sums[0] += m(x, y, reduction="sum", loss_chunk=loss_chunk).double()
+        sums[1] += (y != IGNORE_INDEX).sum()
     m.train(was_training)
-    total, n = all_reduce_sum(loss_sum.item(), count.item())
-    return total / max(n, 1)
+    dist.all_reduce(sums)
+    total, count = sums.tolist()
+    return total / max(count, 1)
 
 
 def full_state_dict(m, to_cpu=True):
@@ -594,9 +575,12 @@ def full_state_dict(m, to_cpu=True):
 
 
 def atomic_save(obj, path):
-    # a crash mid-write leaves the previous file intact
+    # a crash mid-write leaves the previous file intact: write aside, flush to disk, then rename
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -605,7 +589,7 @@ def save_checkpoint():
     optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     rngs = [None] * world_size
     dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
-                                  "cuda": torch.cuda.get_rng_state() if device == "cuda" else None})
+                                  "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None})
     if master_process:
         atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
                      "iter_num": iter_num, "epoch": iter_num // steps_per_epoch, "config": config,
@@ -628,28 +612,8 @@ def log(record):
             wandb.log(record, step=record["iter"])
 
 
-def measure_peak_flops():
-    """Per-device peak FLOP/s for MFU: given, from a table (bf16 dense), or measured on CPU."""
-    if peak_flops:
-        return float(peak_flops), "given"
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-        for key, flops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12)):
-            if key in name:
-                return flops if ptdtype == torch.bfloat16 else flops / 2, f"table ({name})"
-        return float("nan"), f"unknown GPU {name}; set peak_flops"
-    # a generator of its own: the global one drives LoRA dropout, and resume restores its state
-    a, best = torch.randn(1024, 1024, dtype=ptdtype, generator=torch.Generator().manual_seed(0)), float("inf")
-    for _ in range(6):  # the best of several: the machine may be busy for a moment
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ a
-        best = min(best, time.perf_counter() - t0)
-    return 4 * 2 * 1024 ** 3 / best, f"measured {dtype} matmul"
-
-
 def peak_memory_gb():
-    if device == "cuda":
+    if device_type == "cuda":
         return torch.cuda.max_memory_allocated() / 2 ** 30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
@@ -658,7 +622,7 @@ def peak_memory_gb():
 # training loop
 # a KD step costs the student's training FLOPs plus one teacher forward (a third of its training FLOPs)
 flops_token = flops_per_token(model_args, block_size) + flops_per_token(teacher_args, block_size) / 3
-peak, peak_source = measure_peak_flops()
+peak, peak_source = (peak_flops_per_device, "given") if peak_flops_per_device else peak_flops(device_type, ptdtype)
 teacher_val_loss = evaluate(teacher, full=True)
 log({"iter": iter_num, "teacher_val_loss": teacher_val_loss})
 if master_process:
@@ -675,7 +639,7 @@ if profile:
 offload_ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if activation_offloading else nullcontext()
 params = [p for p in model.parameters() if p.requires_grad]
 set_fake_quant(model, fake_quant_on(iter_num))
-if master_process and qscheme is not None:
+if master_process and quant_bits is not None:
     print(f"fake quant ({quantizer}, group {group_size}) {'on' if fake_quant_on(iter_num) else 'off until step ' + str(fake_quant_after_n_steps)}")
 pbar = tqdm(total=max_iters, initial=iter_num, desc="distill", dynamic_ncols=True,
             disable=not master_process or iter_num >= max_iters)
@@ -683,7 +647,7 @@ t0 = time.perf_counter()
 last_log_iter = iter_num
 with profiler as prof:
     while iter_num < max_iters:
-        if qscheme is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
+        if quant_bits is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
             set_fake_quant(model, True)
             if master_process:
                 pbar.write(f"step {iter_num}: fake quant enabled")
@@ -699,13 +663,12 @@ with profiler as prof:
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
         dist.all_reduce(n_tokens)
         n_tokens.clamp_(min=1)  # a step whose every target is masked contributes nothing, not NaN
-        ce_sum, kd_sum = torch.zeros((), device=device_str), torch.zeros((), device=device_str)
+        ce_sum, kd_sum = torch.zeros((), device=device), torch.zeros((), device=device)
         for micro, (x, y) in enumerate(batches):
             model.set_requires_gradient_sync(micro == len(batches) - 1)  # reduce only once per step
             with offload_ctx:
                 ce, kd = distill_loss(x, y)
             ((1 - kd_ratio) * ce + kd_ratio * kd).mul(world_size / n_tokens).backward()
-            # summed over micro-batches (the reference logged only the last one's)
             ce_sum, kd_sum = ce_sum + ce.detach(), kd_sum + kd.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         optimizer.step()
@@ -720,18 +683,20 @@ with profiler as prof:
             dist.all_reduce(sums)
             class_loss, kd_loss_val = (sums / n_tokens).tolist()  # the one host sync of a log step
             loss_val = (1 - kd_ratio) * class_loss + kd_ratio * kd_loss_val
-            dt = time.perf_counter() - t0
-            tps = tokens_per_iter * (iter_num - last_log_iter) / dt
+            tps = tokens_per_iter * (iter_num - last_log_iter) / (time.perf_counter() - t0)
             t0, last_log_iter = time.perf_counter(), iter_num
+            mfu = flops_token * tps / world_size / peak
+            if mfu > 1 and not peak_flops_per_device:  # the peak was timed in a busy moment: time it again
+                peak = max(peak, peak_flops(device_type, ptdtype)[0])
+                mfu = flops_token * tps / world_size / peak
             record = {"iter": iter_num, "loss": loss_val, "class_loss": class_loss, "kd_loss": kd_loss_val, "lr": lr,
                       "epoch": (iter_num - 1) // steps_per_epoch,
-                      "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+                      "grad_norm": grad_norm.full_tensor().item(),  # FSDP's gradients are DTensors, and so is their norm
                       "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world_size,
-                      "mfu": flops_token * tps / world_size / peak, "peak_mem_gb": peak_memory_gb(),
-                      "fake_quant": fake_quant_on(iter_num - 1)}
+                      "mfu": mfu, "peak_mem_gb": peak_memory_gb(), "fake_quant": fake_quant_on(iter_num - 1)}
             log(record)
             pbar.set_postfix(loss=f"{loss_val:.4f}", ce=f"{class_loss:.4f}", kd=f"{kd_loss_val:.4f}",
-                             tok_s=f"{tps:,.0f}", mfu=f"{record['mfu']:.0%}")
+                             tok_s=f"{tps:,.0f}", mfu=f"{mfu:.0%}")
         t_pause = time.perf_counter()  # evaluation and checkpoints are not training time
         if iter_num % eval_interval == 0 or iter_num == max_iters:
             val_loss = evaluate(model, it=iter_num)
@@ -751,7 +716,7 @@ fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss),
            "teacher_val_loss": teacher_val_loss, "quant_val_loss": None}
 del optimizer, params, decay, no_decay  # make room: with a quantizer every rank gathers the whole student
-state = full_state_dict(model, to_cpu=qscheme is None)  # every rank needs it to convert
+state = full_state_dict(model, to_cpu=quant_bits is None)  # every rank needs it to convert
 merged_args = ModelArgs(**{**vars(model_args), "lora_rank": 0})
 if master_process:
     cpu_state = {k: v.cpu() for k, v in state.items()}
@@ -765,7 +730,7 @@ if master_process:
         export_meta(merged, merged_args, os.path.join(out_dir, "export_meta"))
     elif export_format == "hf":
         export_hf(merged, merged_args, os.path.join(out_dir, "export_hf"))
-if qscheme is not None:
+if quant_bits is not None:
     # every rank converts its own copy and evaluates its share of the split; torchao's
     # quantized tensors are not shardable by FSDP, and the converted model is small
     del model, teacher
@@ -773,12 +738,18 @@ if qscheme is not None:
         qmodel = Transformer(model_args)
     qmodel.load_state_dict({k: v.to(ptdtype) for k, v in state.items()}, assign=True)  # the compute dtype
     del state
-    qmodel.reset_buffers(device_str)
-    qmodel.to(device_str)
-    quantize_model(qmodel, "prepare")  # after QAD: QATConfig's convert step on the prepared model
-    quantize_model(qmodel, "convert")
+    qmodel.reset_buffers(device)
+    qmodel.to(device)
+    # QAD only if the student was trained under fake quant: in this run's last step, or (no step
+    # taken here) in the resumed checkpoint's; else the same scheme is plain rounding (PTQ)
+    qad_trained = fake_quant_on(iter_num - 1) if iter_num > start_iter else ckpt_fake_quant
+    if qad_trained:  # QATConfig's convert step on the prepared model
+        quantize_model(qmodel, "prepare")
+        quantize_model(qmodel, "convert")
+    else:
+        quantize_model(qmodel, "ptq")
     quant_val_loss = evaluate(qmodel, full=True)
-    summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss), method="qad",
+    summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss), method="qad" if qad_trained else "ptq",
                    quantizer=quantizer, group_size=group_size)
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
@@ -788,9 +759,9 @@ log(summary)
 if master_process:
     gap = f"  (teacher {teacher_val_loss:.4f})"
     print(f"\nstep {iter_num}  student full precision: val loss {fp_val_loss:.4f}  ppl {math.exp(fp_val_loss):.2f}{gap}")
-    if qscheme is not None:
+    if quant_bits is not None:
         q = summary["quant_val_loss"]
-        print(f"QAD {quantizer} g{group_size}: val loss {q:.4f}  ppl {math.exp(q):.2f}  "
+        print(f"{summary['method'].upper()} {quantizer} g{group_size}: val loss {q:.4f}  ppl {math.exp(q):.2f}  "
               f"({100 * (math.exp(q) / math.exp(fp_val_loss) - 1):+.2f}% ppl)  -> {os.path.join(out_dir, 'quantized.pt')}")
     log_file.close()
     if wandb is not None:

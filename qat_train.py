@@ -3,7 +3,7 @@ Quantization-aware training (QAT) of a Llama-family model with FSDP2, in one fil
 
 One process (CPU or one GPU):
 $ python qat_train.py config/tiny_qat.py
-Several GPUs on one node, e.g. a Llama-2-7B finetune:
+Several processes (GPUs, or CPU processes on gloo), e.g. a Llama-3-8B finetune on one node:
 $ torchrun --standalone --nproc_per_node 8 qat_train.py config/llama.py
 Post-training quantization (PTQ) or conversion of any checkpoint, no training:
 $ python qat_train.py --init_from=out/base/ckpt.pt --quantizer=8da2w --convert_only=True --out_dir=out/ptq
@@ -25,6 +25,7 @@ import resource
 import sys
 import time
 from contextlib import nullcontext
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -44,7 +45,8 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer, flops_per_token, load_checkpoint
+from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, flops_per_token, load_checkpoint, merge_lora,
+                   peak_flops)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -60,28 +62,28 @@ ckpt_interval = 500  # steps between checkpoints; one is always written at the e
 wandb_log = False  # also log to Weights & Biases (imported only then)
 wandb_project = "nanotune"
 wandb_run_name = "qat"
-# model, for init_from='scratch' (pretrained checkpoints carry their own shape)
+# model, for init_from='scratch' (a checkpoint carries its own shape)
 preset = "tiny"  # a name from model.PRESETS
-n_layer = None  # None: the preset's value
-n_head = None
-n_kv_head = None
-n_embd = None
+n_layer = 0  # 0: the preset's value
+n_head = 0
+n_kv_head = 0
+n_embd = 0
 # quantization
 quantizer = "8da4w"  # 'none', '8daNw' (int8 dynamic activations, intN weights) or 'Nw' (weight-only), N in 2..8
 group_size = 32  # weights share one scale per group of this many input channels
 fake_quant_after_n_steps = 0  # train in full precision until this step, then fake-quantize
 quantize_embedding = False  # also fake-quantize the token embedding (weight-only, same bits)
-quant_skip = ()  # module names left in full precision, e.g. ('output', 'layers.0.')
+quant_skip = ()  # modules left in full precision, by path, e.g. ('output', 'layers.0')
 # data and batch
 batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
 loss_chunk = 0  # tokens per chunk of the loss (logits recomputed in backward); 0: fp32 logits <= 128 MiB
-gradient_accumulation_steps = 1  # micro-batches per optimizer step, summed over all processes
+gradient_accumulation_steps = 0  # micro-batches per optimizer step over all processes; 0: one per process
 # optimizer and schedule
 max_iters = 300  # optimizer steps
 learning_rate = 3e-4  # peak learning rate
 min_lr = 3e-5  # the cosine decays to this at lr_decay_iters
-lr_decay_iters = None  # None: max_iters; set it to stop a run early on the schedule of a longer one
+lr_decay_iters = 0  # 0: max_iters; set it to stop a run early on the schedule of a longer one
 warmup_iters = 30  # linear warmup steps
 weight_decay = 0.1  # applied to matrices only
 beta1 = 0.9
@@ -99,15 +101,16 @@ cpu_offload = False  # keep parameters, gradients and optimizer state on the CPU
 reshard_after_forward = True  # free gathered parameters after forward (less memory, more traffic)
 profile = False  # write a torch.profiler trace to out_dir
 profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in steps
-peak_flops = None  # per device, for MFU; None: a table for known GPUs, a measured matmul on CPU
+peak_flops_per_device = 0.0  # for MFU; 0: a table for known GPUs, a measured matmul on CPU
 seed = 1337
 # -----------------------------------------------------------------------------
 from configurator import configure
 
-config = configure(globals())
+config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
+                                                    "log_interval", "ckpt_interval"))
 
 # derived values and checks: every mistake a user can make fails here, before any real work
-ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
+torchrun = "RANK" in os.environ  # launched by torchrun: the process group comes from its variables
 rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 master_process = rank == 0
@@ -119,39 +122,20 @@ def fail(msg):
     sys.exit(2)
 
 
-def parse_quantizer(name):
-    """'8da4w' -> (activation bits 8, weight bits 4); '3w' -> (None, 3); 'none' -> None."""
-    if name == "none":
-        return None
-    m = re.fullmatch(r"(8da)?([2-8])w", name)
-    if not m:
-        fail(f"quantizer={name!r} is unknown; use 'none', '8daNw' (e.g. '8da4w') or 'Nw' (e.g. '4w'), N from 2 to 8")
-    return (8 if m.group(1) else None), int(m.group(2))
-
-
-qscheme = parse_quantizer(quantizer)
+quant = re.fullmatch(r"(8da)?([2-8])w", quantizer)
+if quantizer != "none" and not quant:
+    fail(f"quantizer={quantizer!r} is unknown; use 'none', '8daNw' (e.g. '8da4w') or 'Nw' (e.g. '4w'), N from 2 to 8")
+# (activation bits or None for weight-only, weight bits), or None without a quantizer
+quant_bits = (8 if quant[1] else None, int(quant[2])) if quant else None
 if dtype not in ("float32", "bfloat16"):
     fail(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16' (float16 needs loss scaling, which this loop omits)")
 if mixed_precision and dtype != "bfloat16":
     fail("mixed_precision=True needs dtype='bfloat16' (it computes in bf16 over fp32 master weights)")
-if device not in ("cpu", "cuda"):
-    fail(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
-if device == "cuda" and not torch.cuda.is_available():
-    fail("device='cuda' but no CUDA device is visible; use --device=cpu")
+if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+    fail(f"device={device!r} is not available here; use 'cpu' or, with a visible GPU, 'cuda'")
 if device == "cpu" and (cpu_offload or activation_offloading):
     fail("cpu_offload and activation_offloading move data off a GPU; they need device='cuda'")
-for name in ("eval_interval", "log_interval", "ckpt_interval", "eval_iters", "batch_size", "block_size", "max_iters"):
-    if globals()[name] < 1 and not (name == "max_iters" and globals()[name] == 0):
-        fail(f"{name}={globals()[name]} must be a positive integer")
-if loss_chunk < 0:
-    fail(f"loss_chunk={loss_chunk} must be 0 (automatic) or a positive number of tokens")
-for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "lr_decay_iters"):
-    if globals()[name] is not None and type(globals()[name]) is not int:
-        fail(f"{name}={globals()[name]!r} must be an integer (or None)")
-if peak_flops is not None and type(peak_flops) not in (int, float):
-    fail(f"peak_flops={peak_flops!r} must be a number of FLOP/s per device (or None)")
-if activation_offloading and not activation_checkpointing and master_process:
-    print("note: activation_offloading without activation_checkpointing copies every saved tensor to the CPU; expect it to be slow")
+gradient_accumulation_steps = gradient_accumulation_steps or world_size
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
 micro_steps = gradient_accumulation_steps // world_size  # micro-batches per process per step
@@ -159,14 +143,14 @@ if optimizer_in_bwd and micro_steps > 1:
     fail("optimizer_in_bwd=True steps inside backward, so it cannot accumulate gradients; set gradient_accumulation_steps to the number of processes")
 if optimizer_in_bwd and math.isfinite(grad_clip):
     fail("optimizer_in_bwd=True steps before the global gradient norm is known; set grad_clip=float('inf')")
-if convert_only and init_from == "scratch":
-    fail("convert_only=True needs trained weights; set init_from to a checkpoint")
-if convert_only and qscheme is None:
-    fail("convert_only=True needs a quantizer, e.g. --quantizer=8da4w")
-if init_from == "resume" and not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-    fail(f"init_from='resume' but {os.path.join(out_dir, 'ckpt.pt')} does not exist; train first or pass a checkpoint path")
-if init_from not in ("scratch", "resume") and not os.path.exists(init_from):
-    fail(f"init_from={init_from!r} does not exist; give 'scratch', 'resume' or a checkpoint file / Meta / HF directory")
+if convert_only and (init_from == "scratch" or quant_bits is None):
+    fail("convert_only=True needs trained weights (init_from) and a quantizer, e.g. --quantizer=8da4w")
+resume_path = os.path.join(out_dir, "ckpt.pt") if init_from == "resume" else init_from
+if init_from != "scratch" and not os.path.exists(resume_path):
+    fail(f"init_from={init_from!r}: {resume_path} does not exist; give 'scratch', 'resume' (after a run in out_dir) or a checkpoint")
+shape_overrides = [k for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "preset") if k in overridden]
+if init_from not in ("scratch", "resume") and shape_overrides:  # resume compares them with the checkpoint
+    fail(f"{', '.join(shape_overrides)} shape a model built from scratch; init_from={init_from!r} carries its own shape")
 if init_from == "scratch" and preset not in PRESETS:
     fail(f"preset={preset!r} is unknown; choose from {sorted(PRESETS)}")
 for name in ("train.bin", "val.bin", "meta.json"):
@@ -176,23 +160,25 @@ with open(os.path.join(data_dir, "meta.json")) as f:
     data_meta = json.load(f)
 
 # the model's shape: from the checkpoint, or from the preset and overrides
-resume_path = os.path.join(out_dir, "ckpt.pt") if init_from == "resume" else init_from
 init_state, ckpt = None, {}
 if init_from == "scratch":
     shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
     for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
-        if value is not None:
-            shape[key] = value
+        shape[key] = value or shape.get(key)
     model_args = ModelArgs(**shape)
 else:
-    try:  # mmap: the weights are paged in as they are copied out, never held twice
-        # only rank 0 broadcasts the weights; the others need the shapes alone
+    try:  # only rank 0 broadcasts the weights (memory-mapped); the others need the shapes alone
         model_args, init_state = load_checkpoint(resume_path, weights=master_process)
     except ValueError as e:  # e.g. a file that is no checkpoint: one clear line, no traceback
         fail(str(e))
-    if os.path.isfile(resume_path):
-        # a nanotune checkpoint; resume takes its optimizer and position too (mmap again: no copy)
-        ckpt = torch.load(resume_path, map_location="cpu", mmap=True, weights_only=True)
+    ckpt_file = resume_path if os.path.isfile(resume_path) else os.path.join(resume_path, "ckpt.pt")
+    if os.path.isfile(ckpt_file):  # a nanotune checkpoint: resume also takes its optimizer and position
+        ckpt = torch.load(ckpt_file, map_location="cpu", mmap=True, weights_only=True)
+    if model_args.lora_rank:  # a LoRA model (from kd_train.py): QAT rounds what it computes, W + BA
+        init_state = merge_lora(init_state, model_args) if master_process else None
+        model_args.lora_rank = 0
+        if master_process:
+            print(f"note: {init_from} holds LoRA adapters; they are merged into the weights before QAT")
 # a checkpoint with tied embeddings loads with output.weight a copy of the embedding; FSDP
 # shards the two in separate units, so they are trained (and saved) untied
 model_args.tie_embeddings = False
@@ -200,37 +186,40 @@ if data_meta["vocab_size"] > model_args.vocab_size:
     fail(f"the data in {data_dir} uses {data_meta['vocab_size']} token ids but the model has only {model_args.vocab_size}; prepare the data with the model's tokenizer")
 if block_size > model_args.max_seq_len:
     fail(f"block_size={block_size} exceeds the model's max_seq_len={model_args.max_seq_len}")
-if qscheme is not None:
-    widths = {"dim": model_args.dim, "hidden": model_args.hidden_dim}
-    bad = {k: w for k, w in widths.items() if w % group_size}
-    if bad:
-        fail(f"group_size={group_size} does not divide the layer widths {bad}; pick a divisor of {math.gcd(*widths.values())}")
+if quant_bits is not None and (bad := {k: w for k, w in (("dim", model_args.dim), ("hidden", model_args.hidden_dim)) if w % group_size}):
+    fail(f"group_size={group_size} does not divide the layer widths {bad}; pick a divisor of {math.gcd(model_args.dim, model_args.hidden_dim)}")
+with torch.device("meta"):
+    module_paths = {name for name, _ in Transformer(model_args).named_modules()}
+quant_skip = config["quant_skip"] = tuple(s.rstrip(".") for s in quant_skip)  # 'layers.0.' means 'layers.0'
+if unknown := [s for s in quant_skip if s not in module_paths]:
+    fail(f"quant_skip names {unknown}, which are not modules of this model; use paths such as 'output' or 'layers.0'")
+quant_settings = ("quantizer", "group_size", "quantize_embedding", "quant_skip")
 if init_from == "resume":
     # these decide which batches a step sees, or what the weights were trained for
-    same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "quantizer", "group_size",
-            "quantize_embedding", "quant_skip", "fake_quant_after_n_steps")
+    same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "fake_quant_after_n_steps",
+            "preset", "n_layer", "n_head", "n_kv_head", "n_embd") + quant_settings
     changed = {k: ckpt["config"][k] for k in same if k in ckpt["config"] and ckpt["config"][k] != globals()[k]}
     if changed:
         fail(f"{resume_path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
              f"resume with the same settings or start a new out_dir")
-
+# whether the loaded weights were trained with this very fake quantization (so converting them is QAT)
+ckpt_fake_quant = bool(ckpt.get("fake_quant")) and all(ckpt["config"].get(k) == globals()[k] for k in quant_settings)
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 
 # -----------------------------------------------------------------------------
 # distributed init: a process group even for one process, so that one code path (FSDP2 on a
 # mesh of size 1) serves both `python` and `torchrun`
-if device == "cuda":
-    torch.cuda.set_device(local_rank)
-    device_str = f"cuda:{local_rank}"
-else:
-    device_str = "cpu"
+device_type = device
+if device_type == "cuda":
+    device = f"cuda:{local_rank}"
+    torch.cuda.set_device(device)
 # on CUDA, gloo beside nccl: with cpu_offload the gradients (and their norm) live on the CPU
-backend = "cuda:nccl,cpu:gloo" if device == "cuda" else "gloo"
-if ddp:
-    dist.init_process_group(backend, device_id=torch.device(device_str) if device == "cuda" else None)
+backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+if torchrun:
+    dist.init_process_group(backend, device_id=torch.device(device) if device_type == "cuda" else None)
 else:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-mesh = init_device_mesh(device, (world_size,))
+mesh = init_device_mesh(device_type, (world_size,))
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (the GPU peak table assumes it)
 torch.backends.cudnn.allow_tf32 = True
@@ -238,7 +227,7 @@ ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
-    print(f"{world_size} process(es) on {device}, {tokens_per_iter:,} tokens per step")
+    print(f"{world_size} process(es) on {device_type}, {tokens_per_iter:,} tokens per step")
 
 # -----------------------------------------------------------------------------
 # data: non-overlapping windows of block_size + 1 tokens; each epoch visits every window once
@@ -253,25 +242,30 @@ def memmap(split, mask=False):
                      dtype=np.uint8 if mask else data_dtype, mode="r")
 
 
-n_windows = {s: (len(memmap(s)) - 1) // block_size for s in ("train", "val")}
+n_targets = {s: len(memmap(s)) - 1 for s in ("train", "val")}  # every token but the first is a target
+n_windows = {s: n // block_size for s, n in n_targets.items()}  # whole windows, for training and estimates
 global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step
 steps_per_epoch = n_windows["train"] // global_batch
 if steps_per_epoch == 0 and not convert_only:
     fail(f"the train split has {n_windows['train']} windows of {block_size + 1} tokens, fewer than one step's {global_batch}; lower batch_size or block_size")
 if n_windows["val"] == 0:
     fail(f"the val split of {data_dir} is shorter than block_size + 1 = {block_size + 1} tokens; use a larger val_fraction in data_prep.py")
-_perm_cache = {}
 
 
+def generator(*keys):
+    # seeded by (seed, *keys) through numpy's SeedSequence, which mixes its inputs so that
+    # neighbouring keys (step 7 and 8, rank 0 and 1) still give unrelated streams
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, *keys]).generate_state(1)[0]))
+
+
+@lru_cache(maxsize=1)  # one epoch at a time: a permutation of every train window
 def epoch_order(epoch):
-    if epoch not in _perm_cache:
-        _perm_cache.clear()
-        _perm_cache[epoch] = torch.randperm(n_windows["train"], generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return _perm_cache[epoch]
+    return torch.randperm(n_windows["train"], generator=generator(epoch))
 
 
 def get_batch(split, windows):
-    """Inputs and targets (B, T) for window indices; windows < 0 are padding, fully ignored."""
+    """Inputs and targets (B, T) for window indices; windows < 0 are padding, and targets past
+    the end of the split (the last, partial window) are ignored."""
     data = memmap(split)
     mask = memmap(split, mask=True) if has_mask else None
     x = torch.zeros(len(windows), block_size, dtype=torch.long)
@@ -280,12 +274,13 @@ def get_batch(split, windows):
         if w < 0:
             continue
         chunk = torch.from_numpy(data[w * block_size: w * block_size + block_size + 1].astype(np.int64))
-        x[i], y[i] = chunk[:-1], chunk[1:]
+        n = len(chunk) - 1
+        x[i, :n], y[i, :n] = chunk[:-1], chunk[1:]
         if mask is not None:  # prompt tokens are context only: no loss on them
-            m = torch.from_numpy(mask[w * block_size + 1: w * block_size + block_size + 1].astype(bool))
-            y[i][~m] = IGNORE_INDEX
-    if device == "cuda":
-        return x.pin_memory().to(device_str, non_blocking=True), y.pin_memory().to(device_str, non_blocking=True)
+            m = torch.from_numpy(mask[w * block_size + 1: w * block_size + n + 1].astype(bool))
+            y[i, :n][~m] = IGNORE_INDEX
+    if device_type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x, y
 
 
@@ -304,8 +299,8 @@ with torch.device("meta"):
 model.to(param_dtype)
 
 
-def quantize_filter(module, fqn):
-    if any(fqn.startswith(s) for s in quant_skip):
+def quantize_filter(module, path):
+    if any(path == s or path.startswith(s + ".") for s in quant_skip):
         return False
     if isinstance(module, nn.Embedding):
         return quantize_embedding
@@ -314,7 +309,7 @@ def quantize_filter(module, fqn):
 
 def base_config(for_embedding=False):
     """The torchao config of the real quantized model; QAT derives its fake quantizers from it."""
-    act_bits, w_bits = qscheme
+    act_bits, w_bits = quant_bits
     w_dtype = getattr(torch, f"int{w_bits}")
     if for_embedding or act_bits is None:
         return IntxWeightOnlyConfig(weight_dtype=w_dtype, granularity=PerGroup(group_size))
@@ -325,7 +320,7 @@ def quantize_model(m, step):
     """step 'prepare' (fake quant), 'convert' (after prepare) or 'ptq' (plain weights -> int)."""
     for is_emb in (False, True):
         cfg = base_config(for_embedding=is_emb)
-        fn = lambda mod, fqn: quantize_filter(mod, fqn) and isinstance(mod, nn.Embedding) == is_emb
+        fn = lambda mod, path: quantize_filter(mod, path) and isinstance(mod, nn.Embedding) == is_emb
         quantize_(m, cfg if step == "ptq" else QATConfig(cfg, step=step), filter_fn=fn)
 
 
@@ -336,7 +331,7 @@ def set_fake_quant(m, enabled):
                 fq.enabled = enabled
 
 
-if qscheme is not None:
+if quant_bits is not None:
     quantize_model(model, "prepare")
 if activation_checkpointing:
     for i, block in enumerate(model.layers):
@@ -359,8 +354,8 @@ for block in model.layers:
     fully_shard(block, **fsdp_kw)
 fully_shard(model.tok_embeddings, **fsdp_kw)
 fully_shard(model, **{**fsdp_kw, "reshard_after_forward": False})  # backward needs the root first
-model.to_empty(device="cpu" if cpu_offload else device_str)
-model.reset_buffers(device_str)
+model.to_empty(device="cpu" if cpu_offload else device)
+model.reset_buffers(device)
 
 # weights: rank 0 holds the full state dict (a fresh init, or the mmapped checkpoint) and
 # broadcasts it; each rank keeps only its shards
@@ -373,41 +368,29 @@ set_model_state_dict(model, init_state if master_process else {},
 del init_state
 
 # -----------------------------------------------------------------------------
-# optimizer: AdamW, weight decay on matrices only
-decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=device == "cuda")  # fused also runs on CPU-offloaded state
+# optimizer: AdamW, weight decay on matrices only. With optimizer_in_bwd, one AdamW per
+# parameter, stepped by a hook as soon as its gradient is reduced, so gradients never pile up
+params = [p for p in model.parameters() if p.requires_grad]
+opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=device_type == "cuda")  # fused also runs on CPU-offloaded state
 if optimizer_in_bwd:
-    # one optimizer per parameter, stepped by a hook as soon as its gradient is reduced
-    optimizer = None
-    optimizers = {p: torch.optim.AdamW([p], weight_decay=weight_decay if p.ndim >= 2 else 0.0, **opt_kw)
-                  for p in decay + no_decay}
-
-    def _step_in_bwd(p):
-        optimizers[p].step()
-        optimizers[p].zero_grad(set_to_none=True)
-
-    for p in optimizers:
-        p.register_post_accumulate_grad_hook(_step_in_bwd)
-    opt_list = list(optimizers.values())
+    optimizers = [torch.optim.AdamW([p], weight_decay=weight_decay if p.ndim >= 2 else 0.0, **opt_kw) for p in params]
+    for p, opt in zip(params, optimizers):
+        p.register_post_accumulate_grad_hook(lambda p, opt=opt: (opt.step(), opt.zero_grad(set_to_none=True)))
 else:
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], **opt_kw)
-    opt_list, optimizers = [optimizer], None
+    optimizers = [torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                                     {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], **opt_kw)]
 
 iter_num = 0
 if init_from == "resume":
     iter_num = ckpt["iter_num"]
-    set_optimizer_state_dict(model, opt_list if optimizer_in_bwd else optimizer,
-                             ckpt["optimizer"] if master_process else {},
+    set_optimizer_state_dict(model, optimizers, ckpt["optimizer"] if master_process else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if rank < len(ckpt["rng"]):  # a resume on more processes than before keeps fresh states on the new ones
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
-        if device == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
+        if device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     if master_process:
         print(f"resumed from {resume_path} at step {iter_num}")
-ckpt_fake_quant = bool(ckpt.get("fake_quant", False))  # how the loaded weights were trained
 ckpt = None  # free the optimizer state held by rank 0
 
 
@@ -420,44 +403,37 @@ def get_lr(it):
 
 
 def fake_quant_on(it):
-    return qscheme is not None and it >= fake_quant_after_n_steps
+    return quant_bits is not None and it >= fake_quant_after_n_steps
 
 
 # -----------------------------------------------------------------------------
 # helpers: evaluation, checkpointing, logging
 
 
-def all_reduce_sum(*values):
-    t = torch.tensor(values, dtype=torch.float64, device=device_str)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 @torch.no_grad()
 def evaluate(m, full=False, it=0):
-    """Mean validation loss: eval_iters random batches, or (full=True) every window of the split
-    exactly once. Every rank runs the same number of forwards (padding with ignored windows),
-    since an FSDP forward is a collective."""
+    """Mean validation loss: eval_iters random batches, or (full=True) every token of the split
+    exactly once, the last partial window included. Every rank runs the same number of forwards
+    (padding with ignored windows), since an FSDP forward is a collective."""
     was_training = m.training
     m.eval()
     if full:
-        per_round = batch_size * world_size
-        n_rounds = -(-n_windows["val"] // per_round)
-        order = torch.arange(n_rounds * per_round)
-        order[order >= n_windows["val"]] = -1
+        n = math.ceil(n_targets["val"] / block_size)
+        n_rounds = math.ceil(n / (batch_size * world_size))
+        order = torch.arange(n_rounds * batch_size * world_size)
+        order[order >= n] = -1
         batches = order.view(n_rounds, world_size, batch_size)[:, rank]
     else:
-        g = torch.Generator().manual_seed(seed * 7919 + it * 101 + rank)
-        batches = torch.randint(n_windows["val"], (eval_iters, batch_size), generator=g)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device_str)
-    count = torch.zeros((), dtype=torch.long, device=device_str)
+        batches = torch.randint(n_windows["val"], (eval_iters, batch_size), generator=generator(it, rank, 1))
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, target count)
     for windows in tqdm(batches, desc="eval", leave=False, disable=not (full and master_process)):
         x, y = get_batch("val", windows)
-        loss_sum += m(x, y, reduction="sum", loss_chunk=loss_chunk).double()
-        count += (y != IGNORE_INDEX).sum()
+        sums[0] += m(x, y, reduction="sum", loss_chunk=loss_chunk).double()
+        sums[1] += (y != IGNORE_INDEX).sum()
     m.train(was_training)
-    total, n = all_reduce_sum(loss_sum.item(), count.item())
-    return total / max(n, 1)
+    dist.all_reduce(sums)
+    total, count = sums.tolist()
+    return total / max(count, 1)
 
 
 def full_state_dict(m, to_cpu=True):
@@ -472,8 +448,8 @@ def convert_and_evaluate(state, after_qat):
     with torch.device("meta"):
         qm = Transformer(model_args)
     qm.load_state_dict(state, assign=True)
-    qm.reset_buffers(device_str)
-    qm.to(device_str)
+    qm.reset_buffers(device)
+    qm.to(device)
     if after_qat:  # QATConfig's convert step on the prepared model
         quantize_model(qm, "prepare")
         quantize_model(qm, "convert")
@@ -483,19 +459,21 @@ def convert_and_evaluate(state, after_qat):
 
 
 def atomic_save(obj, path):
-    # a crash mid-write leaves the previous file intact
+    # a crash mid-write leaves the previous file intact: write aside, flush to disk, then rename
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def save_checkpoint():
     model_sd = full_state_dict(model)
-    optim_sd = get_optimizer_state_dict(model, opt_list if optimizer_in_bwd else optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    optim_sd = get_optimizer_state_dict(model, optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     rngs = [None] * world_size
     dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
-                                  "cuda": torch.cuda.get_rng_state() if device == "cuda" else None})
+                                  "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None})
     if master_process:
         atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
                      "iter_num": iter_num, "epoch": iter_num // max(steps_per_epoch, 1), "config": config,
@@ -520,28 +498,8 @@ def log(record):
             wandb.log(record, step=record["iter"])
 
 
-def measure_peak_flops():
-    """Per-device peak FLOP/s for MFU: given, from a table (bf16 dense), or measured on CPU."""
-    if peak_flops:
-        return float(peak_flops), "given"
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-        for key, flops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12)):
-            if key in name:
-                return flops if ptdtype == torch.bfloat16 else flops / 2, f"table ({name})"
-        return float("nan"), f"unknown GPU {name}; set peak_flops"
-    # a generator of its own: drawing from the global one would shift the RNG state resume restores
-    a, best = torch.randn(1024, 1024, dtype=ptdtype, generator=torch.Generator().manual_seed(0)), float("inf")
-    for _ in range(6):  # the best of several: the machine may be busy for a moment
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ a
-        best = min(best, time.perf_counter() - t0)
-    return 4 * 2 * 1024 ** 3 / best, f"measured {dtype} matmul"
-
-
 def peak_memory_gb():
-    if device == "cuda":
+    if device_type == "cuda":
         return torch.cuda.max_memory_allocated() / 2 ** 30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
@@ -549,7 +507,7 @@ def peak_memory_gb():
 # -----------------------------------------------------------------------------
 # training loop
 flops_token = flops_per_token(model_args, block_size)
-peak, peak_source = measure_peak_flops()
+peak, peak_source = (peak_flops_per_device, "given") if peak_flops_per_device else peak_flops(device_type, ptdtype)
 if master_process and not convert_only:
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {flops_token / 1e6:.1f} MFLOPs per token, "
           f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
@@ -560,32 +518,35 @@ if profile and not convert_only:
         on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(out_dir, f"trace_rank{rank}.json")),
         profile_memory=True, record_shapes=True)
 offload_ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if activation_offloading else nullcontext()
-params = [p for p in model.parameters() if p.requires_grad]
 baseline = {}
-if ptq_baseline and qscheme is not None and init_from not in ("scratch", "resume") and not convert_only:
-    # the number QAT has to beat: the starting weights, rounded without any training
+if ptq_baseline and quant_bits is not None and init_from not in ("scratch", "resume") and not convert_only:
+    # the number QAT has to beat: the starting weights, rounded without any training, in the
+    # dtype the final conversion uses
     set_fake_quant(model, False)
-    baseline = {"iter": iter_num, "init_fp_val_loss": evaluate(model, full=True)}
-    baseline["init_ptq_val_loss"] = convert_and_evaluate(full_state_dict(model, to_cpu=False), after_qat=False)[0]
-    log(baseline)
+    baseline = {"init_fp_val_loss": evaluate(model, full=True)}
+    state = {k: v.to(ptdtype) for k, v in full_state_dict(model, to_cpu=False).items()}
+    baseline["init_ptq_val_loss"] = convert_and_evaluate(state, after_qat=False)[0]
+    del state
+    log({"iter": iter_num, **baseline})
     if master_process:
         print(f"start: val loss {baseline['init_fp_val_loss']:.4f} full precision, {baseline['init_ptq_val_loss']:.4f} after PTQ {quantizer}")
 set_fake_quant(model, fake_quant_on(iter_num))
-if master_process and qscheme is not None and not convert_only:
+if master_process and quant_bits is not None and not convert_only:
     print(f"fake quant ({quantizer}, group {group_size}) {'on' if fake_quant_on(iter_num) else 'off until step ' + str(fake_quant_after_n_steps)}")
 pbar = tqdm(total=max_iters, initial=iter_num, desc="train", dynamic_ncols=True,
             disable=not master_process or convert_only or iter_num >= max_iters)
+start_iter = iter_num
 t0 = time.perf_counter()
 last_log_iter = iter_num
 with profiler as prof:
     while iter_num < max_iters and not convert_only:
-        if qscheme is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
+        if quant_bits is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
             set_fake_quant(model, True)
             if master_process:
                 pbar.write(f"step {iter_num}: fake quant enabled")
             log({"iter": iter_num, "event": "fake_quant_enabled"})
         lr = get_lr(iter_num)
-        for opt in opt_list:
+        for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
 
@@ -596,7 +557,7 @@ with profiler as prof:
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
         dist.all_reduce(n_tokens)
         n_tokens.clamp_(min=1)  # a step whose every target is masked contributes nothing, not NaN
-        loss_sum = torch.zeros((), device=device_str)
+        loss_sum = torch.zeros((), device=device)
         for micro, (x, y) in enumerate(batches):
             model.set_requires_gradient_sync(micro == len(batches) - 1)  # reduce only once per step
             with offload_ctx:
@@ -605,8 +566,8 @@ with profiler as prof:
             loss_sum += loss.detach()
         if not optimizer_in_bwd:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizers[0].step()
+            optimizers[0].zero_grad(set_to_none=True)
         iter_num += 1
         pbar.update(1)
         if profile:
@@ -615,16 +576,19 @@ with profiler as prof:
         if iter_num % log_interval == 0 or iter_num == max_iters:
             dist.all_reduce(loss_sum)
             loss_val = loss_sum.item() / n_tokens.item()  # the one host sync of a log step
-            dt = time.perf_counter() - t0
-            tps = tokens_per_iter * (iter_num - last_log_iter) / dt
+            tps = tokens_per_iter * (iter_num - last_log_iter) / (time.perf_counter() - t0)
             t0, last_log_iter = time.perf_counter(), iter_num
+            mfu = flops_token * tps / world_size / peak
+            if mfu > 1 and not peak_flops_per_device:  # the peak was timed in a busy moment: time it again
+                peak = max(peak, peak_flops(device_type, ptdtype)[0])
+                mfu = flops_token * tps / world_size / peak
             record = {"iter": iter_num, "loss": loss_val, "lr": lr, "epoch": (iter_num - 1) // steps_per_epoch,
-                      "grad_norm": None if optimizer_in_bwd else float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+                      # FSDP's gradients are DTensors, and so is their norm
+                      "grad_norm": None if optimizer_in_bwd else grad_norm.full_tensor().item(),
                       "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world_size,
-                      "mfu": flops_token * tps / world_size / peak, "peak_mem_gb": peak_memory_gb(),
-                      "fake_quant": fake_quant_on(iter_num - 1)}
+                      "mfu": mfu, "peak_mem_gb": peak_memory_gb(), "fake_quant": fake_quant_on(iter_num - 1)}
             log(record)
-            pbar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.1e}", tok_s=f"{tps:,.0f}", mfu=f"{record['mfu']:.0%}")
+            pbar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.1e}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.0%}")
         t_pause = time.perf_counter()  # evaluation and checkpoints are not training time
         if iter_num % eval_interval == 0 or iter_num == max_iters:
             val_loss = evaluate(model, it=iter_num)
@@ -641,10 +605,12 @@ pbar.close()
 set_fake_quant(model, False)
 fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss), "quant_val_loss": None}
-if qscheme is not None:
-    qat_trained = ckpt_fake_quant if convert_only else fake_quant_on(iter_num - 1)
+if quant_bits is not None:
+    # QAT only if the weights were trained under this fake quantization: in this run's last
+    # step, or (no step taken here) in the loaded checkpoint's
+    qat_trained = fake_quant_on(iter_num - 1) if iter_num > start_iter else ckpt_fake_quant
     # make room first: every rank gathers the whole model (in the compute dtype) and converts it
-    del opt_list, optimizer, optimizers, params, decay, no_decay
+    del optimizers, params
     state = {k: v.to(ptdtype) for k, v in full_state_dict(model, to_cpu=False).items()}
     del model
     quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained)
@@ -661,12 +627,12 @@ if master_process:
     if baseline:
         rows += [("start, full precision", baseline["init_fp_val_loss"]), (f"start, PTQ {quantizer}", baseline["init_ptq_val_loss"])]
     rows.append((f"step {iter_num}, full precision", fp_val_loss))
-    if qscheme is not None:
+    if quant_bits is not None:
         rows.append((f"step {iter_num}, {summary['method'].upper()} {quantizer} g{group_size}", summary["quant_val_loss"]))
     print(f"\n{'whole validation split':<36} {'loss':>8} {'ppl':>9}")
     for name, loss in rows:
         print(f"{name:<36} {loss:>8.4f} {math.exp(loss):>9.3f}")
-    if qscheme is not None:
+    if quant_bits is not None:
         print(f"converted model: {os.path.join(out_dir, 'quantized.pt')}")
     log_file.close()
     if wandb is not None:

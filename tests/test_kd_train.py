@@ -26,7 +26,7 @@ V = 256  # the data's vocabulary
 ENV = {"OMP_NUM_THREADS": "1"}  # the toy models are far slower with threads competing for 2 cores
 # every run: toy sizes, a log line per step, no matmul benchmark
 BASE = dict(batch_size=4, block_size=32, warmup_iters=0, log_interval=1, eval_interval=1000, eval_iters=1,
-            ckpt_interval=1000, peak_flops=1e12, seed=7)
+            ckpt_interval=1000, peak_flops_per_device=1e12, seed=7)
 
 DRIVER = """
 import contextlib, io, json, runpy, sys, traceback
@@ -125,7 +125,8 @@ def first_batch(data_dir, seed, block_size, global_batch):
     """The windows of step 0 as kd_train.py draws them: the epoch-0 order seeded by seed."""
     tokens = np.fromfile(os.path.join(data_dir, "train.bin"), dtype=np.uint16).astype(np.int64)
     n_windows = (len(tokens) - 1) // block_size
-    order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 1_000_003))
+    epoch_seed = int(np.random.SeedSequence([seed, 0]).generate_state(1)[0])  # (seed, epoch 0)
+    order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(epoch_seed))
     starts = [w * block_size for w in order[:global_batch].tolist()]
     rows = torch.from_numpy(np.stack([tokens[s: s + block_size + 1] for s in starts]))
     x, y = rows[:, :-1], rows[:, 1:].clone()
@@ -166,7 +167,7 @@ def reference_record(settings):
     keep = y != IGNORE_INDEX
     n = keep.sum()
     T = s.get("kd_temperature", 1.0)
-    div = reference_divergence(s["kd_loss"], s_logits, t_logits, T, s.get("jsd_beta", 0.5))
+    div = reference_divergence(s["kd_divergence"], s_logits, t_logits, T, s.get("jsd_beta", 0.5))
     kd = (div * keep).sum() * T ** 2 / n
     ce = F.cross_entropy(s_logits.double(), y, ignore_index=IGNORE_INDEX, reduction="sum") / n
     r = s["kd_ratio"]
@@ -174,25 +175,25 @@ def reference_record(settings):
 
 
 LOSS_CASES = {
-    "fkl": dict(kd_loss="fkl"),
-    "rkl": dict(kd_loss="rkl"),
-    "skl": dict(kd_loss="skl"),
-    "jsd": dict(kd_loss="jsd", jsd_beta=0.3),
-    "jsd-beta-1e-4": dict(kd_loss="jsd", jsd_beta=1e-4),
-    "jsd-beta-0.9999": dict(kd_loss="jsd", jsd_beta=0.9999),
+    "fkl": dict(kd_divergence="fkl"),
+    "rkl": dict(kd_divergence="rkl"),
+    "skl": dict(kd_divergence="skl"),
+    "jsd": dict(kd_divergence="jsd", jsd_beta=0.3),
+    "jsd-beta-1e-4": dict(kd_divergence="jsd", jsd_beta=1e-4),
+    "jsd-beta-0.9999": dict(kd_divergence="jsd", jsd_beta=0.9999),
     # temperature, a prompt mask and a teacher with padding rows
-    "fkl-T2-masked-padded": dict(kd_loss="fkl", kd_temperature=2.0, data="masked", teacher="teacher320"),
+    "fkl-T2-masked-padded": dict(kd_divergence="fkl", kd_temperature=2.0, data="masked", teacher="teacher320"),
     # 17 * 64 = 1088 tokens a micro-batch: the chunked path (chunks of 1024)
-    "rkl-chunked": dict(kd_loss="rkl", batch_size=17, block_size=64, loss_chunk=1024),
-    "jsd-T2-masked-padded-chunked": dict(kd_loss="jsd", jsd_beta=0.7, kd_temperature=2.0, data="masked",
+    "rkl-chunked": dict(kd_divergence="rkl", batch_size=17, block_size=64, loss_chunk=1024),
+    "jsd-T2-masked-padded-chunked": dict(kd_divergence="jsd", jsd_beta=0.7, kd_temperature=2.0, data="masked",
                                          teacher="teacher320", batch_size=17, block_size=64, loss_chunk=1024),
 }
 # exact endpoints of the JSD and a chunked step against an unchunked one, checked against other runs
 EXTRA_CASES = {
-    "jsd-beta-0": dict(kd_loss="jsd", jsd_beta=0.0),
-    "jsd-beta-1": dict(kd_loss="jsd", jsd_beta=1.0),
-    "chunked-1x18": dict(kd_loss="skl", batch_size=18, block_size=64, loss_chunk=1024),  # 1152 tokens: 2 chunks
-    "unchunked-2x9": dict(kd_loss="skl", batch_size=9, block_size=64, gradient_accumulation_steps=2),
+    "jsd-beta-0": dict(kd_divergence="jsd", jsd_beta=0.0),
+    "jsd-beta-1": dict(kd_divergence="jsd", jsd_beta=1.0),
+    "chunked-1x18": dict(kd_divergence="skl", batch_size=18, block_size=64, loss_chunk=1024),  # 1152 tokens: 2 chunks
+    "unchunked-2x9": dict(kd_divergence="skl", batch_size=9, block_size=64, gradient_accumulation_steps=2),
 }
 
 
@@ -283,7 +284,7 @@ def test_kd_ratio_zero_equals_ce_training(setup, tmp_path):
 def parity_runs(setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
     common = dict(TRAIN, max_iters=4, data_dir=setup["masked"], init_from=setup["student"],
-                  teacher_init=setup["teacher"], kd_ratio=0.6, kd_loss="skl", kd_temperature=1.5)
+                  teacher_init=setup["teacher"], kd_ratio=0.6, kd_divergence="skl", kd_temperature=1.5)
     dirs = {k: str(out / k) for k in ("one", "two", "resumed")}
     run("kd_train.py", nproc=2, env=ENV, **dict(common, out_dir=dirs["two"]))
     run_in_one_process([
@@ -333,9 +334,9 @@ LORA = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1, lora_targets=("wq", "
 @pytest.fixture(scope="module")
 def lora_runs(setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora")
-    # peak_flops=None: the CPU matmul benchmark must not disturb the dropout RNG that resume restores
+    # peak_flops_per_device=0 (measured): the CPU matmul benchmark must not disturb the dropout RNG that resume restores
     common = dict(TRAIN, **LORA, max_iters=4, data_dir=setup["data"], init_from=setup["student"],
-                  teacher_init=setup["teacher"], kd_ratio=0.5, learning_rate=3e-2, peak_flops=None)
+                  teacher_init=setup["teacher"], kd_ratio=0.5, learning_rate=3e-2, peak_flops_per_device=0.0)
     dirs = {k: str(out / k) for k in ("straight", "resumed", "adapter_only")}
     run_in_one_process([
         ("kd_train.py", dict(common, out_dir=dirs["straight"], export_format="hf")),
@@ -413,7 +414,7 @@ def misc_runs(setup, tmp_path_factory):
         # QAD: the student starts as the teacher; fake quant from step 1 on
         "qad": dict(common, init_from=setup["teacher"], quantizer="8da4w", fake_quant_after_n_steps=1, max_iters=3,
                     learning_rate=1e-3, kd_ratio=1.0),
-        "kd_loss": dict(common, kd_loss="kl"),
+        "kd_divergence": dict(common, kd_divergence="kl"),
         "kd_ratio": dict(common, kd_ratio=1.5),
         "kd_ratio_negative": dict(common, kd_ratio=-0.1),
         "lora_with_quantizer": dict(common, lora_rank=4, quantizer="8da4w"),
@@ -445,9 +446,9 @@ def test_qad_ends_with_a_converted_model(misc_runs):
 
 
 ERRORS = {
-    "kd_loss": "kd_loss='kl' is unknown",
-    "kd_ratio": "kd_ratio=1.5 must lie in [0, 1]",
-    "kd_ratio_negative": "kd_ratio=-0.1 must lie in [0, 1]",
+    "kd_divergence": "kd_divergence='kl' is unknown",
+    "kd_ratio": "kd_ratio=1.5 and jsd_beta=0.5 are weights: each must lie in [0, 1]",
+    "kd_ratio_negative": "kd_ratio=-0.1 must be a number >= 0",
     "lora_with_quantizer": "lora_rank",
     "adapter_only_without_lora": "save_adapter_only=True needs LoRA",
     "student_vocab": "the student has 2000 vocabulary rows",

@@ -37,6 +37,7 @@ BASE = dict(preset="toy", block_size=32, batch_size=4, gradient_accumulation_ste
             log_interval=1, ckpt_interval=1000, quantizer="none", seed=1337)
 N = 2  # fake_quant_after_n_steps of the QAT runs: steps 0 and 1 in full precision
 QAT = dict(quantizer="8da4w", group_size=32, fake_quant_after_n_steps=N)
+FINETUNE = {k: v for k, v in BASE.items() if k != "preset"}  # a checkpoint carries its own shape
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +107,10 @@ def full_val_loss(model, data_dir, block_size):
     """Mean cross-entropy over every non-overlapping window of the val split, as the script's
     final evaluation defines it."""
     val = torch.from_numpy(np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16).astype(np.int64))
-    n = (len(val) - 1) // block_size
-    x = val[: n * block_size].view(n, block_size)
-    y = val[1: n * block_size + 1].view(n, block_size)
+    x, y = val[:-1], val[1:]
+    pad = -len(x) % block_size  # the last window is partial: its missing targets are ignored
+    x = torch.cat((x, torch.zeros(pad, dtype=torch.long))).view(-1, block_size)
+    y = torch.cat((y, torch.full((pad,), IGNORE_INDEX))).view(-1, block_size)
     return model(x, y).item()
 
 
@@ -116,7 +118,8 @@ def full_val_loss(model, data_dir, block_size):
 # distributed and accumulation invariance
 
 # fake quant turns the float noise of a different reduction order into rounding flips, which
-# Adam then amplifies (1e-3 apart after 6 steps): 2 steps stay within float noise
+# Adam then amplifies (1e-3 apart after 6 steps): after 2 steps a flip or two moves the loss by
+# a few 1e-5, far below what a wrong normalization or a missed rank would (>= 1e-2)
 @pytest.mark.parametrize("settings", [{}, dict(QAT, fake_quant_after_n_steps=0, max_iters=2)], ids=["none", "qat"])
 def test_two_processes_match_one(train, settings):
     # the same global batch of 8 windows: one process accumulates 2 micro-batches of 4, two
@@ -124,10 +127,11 @@ def test_two_processes_match_one(train, settings):
     one, two = read_log(train(**settings)), read_log(train(nproc=2, **settings))
     assert sorted(losses(one)) == list(range(1, settings.get("max_iters", 6) + 1))
     assert all(r["fake_quant"] == bool(settings) for r in records(one).values())
-    assert_same_losses(losses(two), losses(one), rel=1e-5)
+    assert_same_losses(losses(two), losses(one), rel=2e-4 if settings else 1e-5)
+    assert losses(two)[1] == pytest.approx(losses(one)[1], rel=1e-6)  # the same weights: no flip yet
     # the global gradient norm (clipping at 1.0 is active here) is over both ranks' shards
     for it, r in records(one).items():
-        assert records(two)[it]["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+        assert records(two)[it]["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4 if it == 1 or not settings else 2e-3)
         assert records(two)[it]["fake_quant"] == r["fake_quant"]
     assert max_weight_diff(weights(train(nproc=2, **settings)), weights(train(**settings))) < 1e-5
     # the final evaluation splits the val windows over the ranks, padding the last round
@@ -264,7 +268,7 @@ def test_converted_model_matches_fake_quantized_model(train, data):
 def test_ptq_of_plain_checkpoint(train, data, tmp_path):
     base = train()
     out = tmp_path / "ptq"
-    run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"),
+    run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"),
                    "convert_only": True, "quantizer": "8da2w"})
     log = read_log(out)
     assert not losses(log)  # no training
@@ -282,10 +286,10 @@ def test_ptq_baseline_before_qat_finetune(train, data, tmp_path):
     # equal a convert_only PTQ of that checkpoint, and the starting fp loss its own fp loss
     base = train()
     ptq = tmp_path / "ptq"
-    run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": ptq, "init_from": str(base / "ckpt.pt"),
+    run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": ptq, "init_from": str(base / "ckpt.pt"),
                    "convert_only": True, "quantizer": "8da2w"})
     out = tmp_path / "qat"
-    run(SCRIPT, **{**BASE, **QAT, "quantizer": "8da2w", "data_dir": data, "out_dir": out,
+    run(SCRIPT, **{**FINETUNE, **QAT, "quantizer": "8da2w", "data_dir": data, "out_dir": out,
                    "init_from": str(base / "ckpt.pt"), "max_iters": 2})
     s, p = summary(read_log(out)), summary(read_log(ptq))
     assert s["init_fp_val_loss"] == pytest.approx(p["fp_val_loss"], rel=1e-6)
@@ -293,7 +297,7 @@ def test_ptq_baseline_before_qat_finetune(train, data, tmp_path):
     assert s["init_ptq_val_loss"] > s["init_fp_val_loss"]
     # and --ptq_baseline=False skips it
     out2 = tmp_path / "qat2"
-    run(SCRIPT, **{**BASE, **QAT, "quantizer": "8da2w", "data_dir": data, "out_dir": out2,
+    run(SCRIPT, **{**FINETUNE, **QAT, "quantizer": "8da2w", "data_dir": data, "out_dir": out2,
                    "init_from": str(base / "ckpt.pt"), "max_iters": 2, "ptq_baseline": False})
     assert "init_ptq_val_loss" not in summary(read_log(out2))
 
@@ -388,9 +392,13 @@ def test_errors(train, data, tmp_path):
         "optimizer_in_bwd with clipping": (dict(optimizer_in_bwd=True, gradient_accumulation_steps=1), {},
                                            ["optimizer_in_bwd", "grad_clip"]),
         "convert_only without quantizer": (dict(convert_only=True), {}, ["convert_only"]),
+        "shape with a checkpoint": (dict(init_from=str(train() / "ckpt.pt"), n_layer=3), {}, ["n_layer", "init_from"]),
+        "quant_skip prefix": (dict(quantizer="8da4w", quant_skip=("layers.1", "lm_head")), {}, ["['lm_head']"]),
+        "zero batch": (dict(batch_size=0), {}, ["batch_size=0", "positive"]),
     }
 
-    runs = [({**BASE, "data_dir": data, "out_dir": str(tmp_path / re.sub(r"\W", "_", name)), **settings}, env)
+    runs = [({**(BASE if settings.get("init_from", "resume") == "resume" else FINETUNE), "data_dir": data,
+              "out_dir": str(tmp_path / re.sub(r"\W", "_", name)), **settings}, env)
             for name, (settings, env, _) in cases.items()]
     results = run_early_exits(SCRIPT, runs)  # all in one interpreter: imports once
     # and one in a process of its own: the exit code and stderr a user sees
