@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model import (  # noqa: E402
-    PRESETS, ModelArgs, Transformer, export_hf, export_meta, ffn_settings, load_adapter,
-    load_checkpoint, merge_lora, save_adapter,
+from checkpoint import (  # noqa: E402
+    export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, save_adapter,
 )
+from model import PRESETS, ModelArgs, Transformer, merge_lora  # noqa: E402
 
 TOKENS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -144,7 +144,7 @@ def test_hf_round_trip_and_reference(tmp_path):
 def test_hf_directory_not_written_by_nanotune(tmp_path, tied):
     # random weights in HF's layout straight from a config: loading must undo the permutation
     # on its own, not merely invert export_hf
-    cfg = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+    cfg = dict(model_type="llama", hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
                intermediate_size=77, vocab_size=50, rms_norm_eps=1e-6, rope_theta=500.0,
                max_position_embeddings=64, tie_word_embeddings=tied)
     gen = torch.Generator().manual_seed(3)
