@@ -182,7 +182,7 @@ def _load_hf(path, weights=True):
         sd.pop("output.weight", None)
     elif "output.weight" not in sd:
         raise ValueError(f"{where} has tie_word_embeddings false but the weights have no lm_head.weight")
-    return _args_for(params, sd, where, cfg["intermediate_size"]), sd
+    return _args_for(params, sd, where, cfg["intermediate_size"], hf_names=True), sd
 
 
 def _hf_params(cfg, where):
@@ -258,10 +258,13 @@ def _hf_weight_files(path):
     raise ValueError(f"{path} has a config.json but no model*.safetensors or pytorch_model*.bin files")
 
 
-def _args_for(params, sd, where, hidden_dim=None):
+def _args_for(params, sd, where, hidden_dim=None, hf_names=False):
     """ModelArgs that fit the weights, or one line saying where they do not: the SwiGLU size comes
     from w1's shape (HF stores only the number; Meta a rounding rule that need not match it), a
     missing output means tied, and every tensor must have the shape the args give it."""
+    def name(k):  # as the user's files call it
+        return _rename(k.removesuffix(".weight"), HF_NAMES) + ".weight" if hf_names else k
+
     w1 = sd.get("layers.0.feed_forward.w1.weight")
     if w1 is None:
         raise ValueError(f"the weights beside {where} have no layers.0 feed-forward (w1, gate_proj) weight")
@@ -276,11 +279,11 @@ def _args_for(params, sd, where, hidden_dim=None):
         expected = Transformer(args).state_dict()
     for k in sorted(expected.keys() | sd.keys()):
         if k not in sd:
-            raise ValueError(f"the weights beside {where} have no {k}, which its settings imply")
+            raise ValueError(f"the weights beside {where} have no {name(k)}, which its settings imply")
         if k not in expected:
-            raise ValueError(f"the weights beside {where} have a tensor {k} that a Llama of its settings has not")
+            raise ValueError(f"the weights beside {where} have a tensor {name(k)} that a Llama of its settings has not")
         if sd[k].shape != expected[k].shape:
-            raise ValueError(f"the weights beside {where} have {k} of shape {tuple(sd[k].shape)}, "
+            raise ValueError(f"the weights beside {where} have {name(k)} of shape {tuple(sd[k].shape)}, "
                              f"but its settings imply {tuple(expected[k].shape)}")
     return args
 
