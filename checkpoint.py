@@ -124,8 +124,9 @@ def _load_meta(path, weights=True):
     where = os.path.join(path, "params.json")
     with open(where) as f:
         params = json.load(f)
-    for key in sorted(params.keys() - META_KEYS):
-        raise ValueError(f"{where} has {key}={params[key]!r}, which nanotune does not implement")
+    unknown = sorted(params.keys() - META_KEYS)
+    if unknown:
+        raise ValueError(f"{where} has {unknown[0]}={params[unknown[0]]!r}, which nanotune does not implement")
     rope = {k: params.pop(k) for k in META_ROPE_KEYS if k in params}
     if params.pop("use_scaled_rope", False):
         params.update({**dict(zip(META_ROPE_KEYS, META_ROPE_SCALING)), **rope})
@@ -411,7 +412,7 @@ def export_meta(state_dict, args, out_dir, tokenizer_files=(), provenance=None):
         _finish(tmp, tokenizer_files, provenance)
 
 
-def hf_config(args, dtype, bos_id=None, eos_id=None):
+def _hf_config(args, dtype, bos_id=None, eos_id=None):
     """config.json for transformers, in the 4.x style (top-level rope_theta and rope_scaling) that
     transformers 5 reads too. A sliding window makes it a Mistral: Llama's config has none."""
     model_type = "llama" if args.sliding_window is None else "mistral"
@@ -439,7 +440,7 @@ def export_hf(state_dict, args, out_dir, tokenizer_files=(), bos_id=None, eos_id
     sd = _plain(state_dict, args)
     if args.tie_embeddings:  # safetensors refuses shared tensors, and transformers re-ties them
         del sd["output.weight"]
-    config = hf_config(args, sd["tok_embeddings.weight"].dtype, bos_id, eos_id)
+    config = _hf_config(args, sd["tok_embeddings.weight"].dtype, bos_id, eos_id)
     generation = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}
     with _atomic_dir(out_dir) as tmp:
         _write_json(config, os.path.join(tmp, "config.json"))

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from checkpoint import export_hf, export_meta, hf_to_meta, load_checkpoint, load_provenance  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from model import ModelArgs, Transformer, rope_tables  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -233,3 +233,19 @@ def test_export_meta_round_trip_keeps_scaling_and_tie(tmp_path):
     assert args2.tie_embeddings and args2.rope_scaling == args.rope_scaling and args2.head_dim == 32
     assert torch.equal(nanotune_logits(args2, sd2), nanotune_logits(args, sd))
     assert load_provenance(str(tmp_path / "meta")) == {"kind": "test"}
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 8B/70B/405B; Llama 3.2 1B/3B
+def test_rope_frequencies_of_real_llama3_configs(factor):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    cfg = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+                                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=factor,
+                                                        low_freq_factor=1.0, high_freq_factor=4.0,
+                                                        original_max_position_embeddings=8192))
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    cos, sin = rope_tables(128, 2, 500000.0, scaling=(factor, 1.0, 4.0, 8192))
+    ours = torch.atan2(sin[1], cos[1])  # position 1's angles are the frequencies themselves
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    cos, sin = rope_tables(128, 2, 500000.0)
+    plain = torch.atan2(sin[1], cos[1])
+    assert (ours < plain).sum() > 0 and (ours == plain).sum() > 0  # some stretched, some kept
