@@ -140,7 +140,7 @@ def _load_meta(path, weights=True):
     # Meta's tied models (Llama 3.2 1B/3B) store output.weight as a copy of the embedding; they are
     # loaded tied, so training keeps them tied. Models that big are never split into shards.
     first = shards[0]
-    if len(shards) == 1 and "output.weight" in first and _same(first["output.weight"], first.get("tok_embeddings.weight")):
+    if len(shards) == 1 and _same(first.get("output.weight"), first.get("tok_embeddings.weight")):
         del first["output.weight"]
     if not weights:
         shards = [_shapes_only(shard) for shard in shards]
@@ -160,7 +160,7 @@ def _load_meta(path, weights=True):
 
 def _same(a, b):
     # the first row settles it for untied models without reading the whole embedding
-    if b is None or a.shape != b.shape or a.dtype != b.dtype:
+    if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
         return False
     return a.data_ptr() == b.data_ptr() or (torch.equal(a[:1], b[:1]) and torch.equal(a, b))
 

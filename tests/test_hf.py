@@ -94,7 +94,8 @@ def test_hf_directory_loads_exactly(tmp_path, shape, style):
     args, sd = load_checkpoint(str(path))
     rope = SHAPES[shape]["rope_parameters"]
     assert args.rope_theta == rope["rope_theta"] and args.n_kv_heads == SHAPES[shape]["num_key_value_heads"]
-    assert args.tie_embeddings == (shape == "llama3.2") and args.head_dim == SHAPES[shape].get("head_dim", 64 // args.n_heads)
+    assert args.tie_embeddings == (shape == "llama3.2")
+    assert args.head_dim == SHAPES[shape].get("head_dim", 64 // args.n_heads)
     assert args.rope_scaling == (None if shape != "llama3.2" else (32.0, 1.0, 4.0, 64))
     ours = nanotune_logits(args, sd)
     assert max_err(ours, hf_logits(model)) <= 1e-4
