@@ -49,9 +49,9 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, export_hf,
-                   export_meta, flops_per_token, load_checkpoint, mark_only_lora_trainable, merge_lora, peak_flops,
-                   save_adapter, to_lora_keys)
+from checkpoint import export_hf, export_meta, load_checkpoint, save_adapter
+from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict,
+                   flops_per_token, mark_only_lora_trainable, merge_lora, peak_flops, to_lora_keys)
 
 # -----------------------------------------------------------------------------
 # I/O

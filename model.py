@@ -6,7 +6,7 @@ enough to read in one sitting.
   the training scripts build every rank's model empty, load the weights on rank 0 only, and
   let FSDP broadcast and shard them.
 - Parameter names follow Meta's checkpoints (tok_embeddings, layers.N.attention.wq, ...), so a
-  Meta directory loads without renaming; Hugging Face names are mapped in `hf_to_meta`.
+  Meta directory loads without renaming; checkpoint.py reads and writes the formats.
 - `forward(tokens, targets)` returns the summed or mean cross-entropy computed in chunks: at
   vocab 32000 and 16k tokens a step, full fp32 logits would take 16384 * 32000 * 4 B = 2.1 GB,
   and their softmax gradient as much again; chunks of LOGITS_PER_CHUNK elements (1048 tokens at
@@ -15,23 +15,15 @@ enough to read in one sitting.
 - LoRA adapters on chosen projections, with helpers to train only them, save them and merge.
 """
 
-import json
 import math
-import os
-import pickle
 import re
-import shutil
-import tempfile
 import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
-from glob import glob
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100  # targets with this value take no part in the loss
@@ -48,9 +40,16 @@ class ModelArgs:
     multiple_of: int = 256  # the SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: Optional[float] = None
     norm_eps: float = 1e-5
+    head_dim: Optional[int] = None  # None = dim // n_heads; set explicitly it may differ
     rope_theta: float = 10000.0
+    # Llama 3.1's RoPE frequency scaling ("llama3" in transformers); factor None means none
+    rope_scaling_factor: Optional[float] = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192  # the context the unscaled model was trained on
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    sliding_window: Optional[int] = None
     # LoRA; rank 0 means none
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -61,8 +60,13 @@ class ModelArgs:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         self.lora_targets = tuple(self.lora_targets)
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
+            self.head_dim = self.dim // self.n_heads
+        if self.rope_scaling_factor is not None and not self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(f"rope_low_freq_factor={self.rope_low_freq_factor} must be below "
+                             f"rope_high_freq_factor={self.rope_high_freq_factor}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.tie_embeddings and self.lora_rank and "output" in self.lora_targets:
@@ -72,8 +76,11 @@ class ModelArgs:
             raise ValueError(f"unknown lora_targets {sorted(unknown)}; choose from {LORA_TARGETS}")
 
     @property
-    def head_dim(self):
-        return self.dim // self.n_heads
+    def rope_scaling(self):
+        if self.rope_scaling_factor is None:
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_max_seq_len)
 
     @property
     def hidden_dim(self):
@@ -143,8 +150,20 @@ def linear(args, name, in_features, out_features):
     return nn.Linear(in_features, out_features, bias=False)
 
 
-def rope_tables(head_dim, max_seq_len, theta, device=None):
+def rope_tables(head_dim, max_seq_len, theta, device=None, scaling=None):
+    """cos and sin of each position's angles. scaling = (factor, low_freq_factor, high_freq_factor,
+    original_max_seq_len) applies Llama 3.1's frequency scaling: wavelengths shorter than
+    original/high_freq_factor stay, those longer than original/low_freq_factor are stretched by
+    factor, and those between are blended, so the model reaches factor times its original context
+    while nearby positions look as they did in pretraining."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        factor, low, high, original = scaling
+        wavelen = 2 * math.pi / freqs
+        freqs = torch.where(wavelen > original / low, freqs / factor, freqs)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * freqs / factor + smooth * freqs
+        freqs = torch.where((wavelen >= original / high) & (wavelen <= original / low), blended, freqs)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()  # (T, D/2) each
 
@@ -212,7 +231,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # recomputed by init_weights, never saved: they are a function of the args
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -243,7 +262,8 @@ class Transformer(nn.Module):
         whatever the weights' dtype: rounding the angles to bf16 would blur long positions."""
         if device is None:
             device = self.norm.weight.device
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device)
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device,
+                               self.args.rope_scaling)
         self.rope_cos, self.rope_sin = cos, sin  # still non-persistent buffers
 
     def hidden(self, tokens):
@@ -386,275 +406,3 @@ def to_lora_keys(state_dict, model):
         out[alt if k not in names and alt in names else k] = v
     return out
 
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: Meta and Hugging Face directories, in and out
-
-# Meta module name -> Hugging Face module name; {} is the layer number
-HF_NAMES = {
-    "tok_embeddings": "model.embed_tokens",
-    "layers.{}.attention.wq": "model.layers.{}.self_attn.q_proj",
-    "layers.{}.attention.wk": "model.layers.{}.self_attn.k_proj",
-    "layers.{}.attention.wv": "model.layers.{}.self_attn.v_proj",
-    "layers.{}.attention.wo": "model.layers.{}.self_attn.o_proj",
-    "layers.{}.feed_forward.w1": "model.layers.{}.mlp.gate_proj",
-    "layers.{}.feed_forward.w2": "model.layers.{}.mlp.down_proj",
-    "layers.{}.feed_forward.w3": "model.layers.{}.mlp.up_proj",
-    "layers.{}.attention_norm": "model.layers.{}.input_layernorm",
-    "layers.{}.ffn_norm": "model.layers.{}.post_attention_layernorm",
-    "norm": "model.norm",
-    "output": "lm_head",
-}
-META_NAMES = {hf: meta for meta, hf in HF_NAMES.items()}
-# The dim along which Meta's model-parallel layers split a weight across consolidated.NN.pth:
-# column-parallel ones their outputs (0), row-parallel ones their inputs (1), Llama 2's
-# ParallelEmbedding the embedding dim (1). Norms are replicated.
-META_SHARD_DIM = {"tok_embeddings": 1, "wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo": 1, "w2": 1}
-# what Meta's own ModelArgs accepts; not max_seq_len, which its loader passes separately
-META_PARAMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
-               "norm_eps", "rope_theta")
-NOT_A_CHECKPOINT = ("init_from={!r} is neither a nanotune checkpoint nor a Meta (params.json) or Hugging Face "
-                    "(config.json) directory")
-
-
-def load_checkpoint(path, weights=True):
-    """(ModelArgs, state dict) from a nanotune checkpoint (a file, or a directory holding ckpt.pt),
-    a Meta directory (params.json + consolidated.NN.pth) or a Hugging Face Llama directory
-    (config.json + model*.safetensors or pytorch_model*.bin). Tensors stay memory-mapped where
-    they can: load them with load_state_dict(assign=True) to avoid a copy. weights=False gives
-    meta tensors (shapes only): what every process but the one that broadcasts the weights needs,
-    without merging shards or permuting in memory."""
-    if os.path.isfile(path) or os.path.isfile(os.path.join(path, "ckpt.pt")):
-        return _load_nanotune(path if os.path.isfile(path) else os.path.join(path, "ckpt.pt"))
-    if os.path.isfile(os.path.join(path, "params.json")) and glob(os.path.join(path, "consolidated.*.pth")):
-        return _load_meta(path, weights)
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return _load_hf(path, weights)
-    raise ValueError(NOT_A_CHECKPOINT.format(path))
-
-
-def _shapes_only(sd):
-    return {k: torch.empty_like(v, device="meta") for k, v in sd.items()}
-
-
-def _load_nanotune(file):
-    try:
-        # weights_only: unpickling arbitrary objects can run code, and a nanotune checkpoint holds
-        # only tensors and plain Python values
-        ckpt = torch.load(file, mmap=True, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as e:
-        raise ValueError(f"{file} holds objects other than tensors and plain Python values, which "
-                         f"torch.load(weights_only=True) refuses to unpickle") from e
-    except RuntimeError as e:  # not a torch.save zip file
-        raise ValueError(NOT_A_CHECKPOINT.format(file)) from e
-    if not (isinstance(ckpt, dict) and "model" in ckpt and "model_args" in ckpt):
-        raise ValueError(NOT_A_CHECKPOINT.format(file))
-    return ModelArgs.from_dict(ckpt["model_args"]), ckpt["model"]
-
-
-def _load_meta(path, weights=True):
-    with open(os.path.join(path, "params.json")) as f:
-        params = json.load(f)
-    if params.get("use_scaled_rope"):
-        raise ValueError(f"{path} uses Llama 3.1's scaled RoPE, which nanotune does not implement")
-    shards = [torch.load(f, mmap=True, weights_only=True, map_location="cpu")
-              for f in sorted(glob(os.path.join(path, "consolidated.*.pth")))]
-    if not weights:
-        shards = [_shapes_only(shard) for shard in shards]
-    sd = {}
-    for k, v in shards[0].items():
-        if k == "rope.freqs":  # the original code's precomputed RoPE table; rebuilt from the args here
-            continue
-        dim = META_SHARD_DIM.get(k.split(".")[-2])
-        if k == "tok_embeddings.weight" and v.shape[1] == params["dim"]:
-            dim = 0  # Llama 3's VocabParallelEmbedding splits the vocab instead
-        sd[k] = v if len(shards) == 1 or dim is None else torch.cat([s[k] for s in shards], dim)
-    if params.get("vocab_size", -1) < 0:  # Llama 2 writes -1: the tokenizer decides
-        params["vocab_size"] = sd["tok_embeddings.weight"].shape[0]
-    return _args_for(params, sd), sd
-
-
-def _load_hf(path, weights=True):
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    if cfg.get("rope_scaling"):
-        raise ValueError(f"{path} uses RoPE scaling {cfg['rope_scaling']}, which nanotune does not implement")
-    # model*, not *.safetensors: Mistral's directories also hold consolidated.safetensors in Meta's names
-    files = sorted(glob(os.path.join(path, "model*.safetensors")))
-    if files:
-        hf = {k: v for f in files for k, v in load_file(f).items()}  # memory-mapped
-    else:
-        hf = {k: v for f in sorted(glob(os.path.join(path, "pytorch_model*.bin")))
-              for k, v in torch.load(f, mmap=True, weights_only=True, map_location="cpu").items()}
-    if not hf:
-        raise ValueError(f"{path} has a config.json but no model*.safetensors or pytorch_model*.bin files")
-    if not weights:
-        hf = _shapes_only(hf)
-    params = dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
-                  n_kv_heads=cfg.get("num_key_value_heads"), vocab_size=cfg["vocab_size"],
-                  norm_eps=cfg["rms_norm_eps"], rope_theta=cfg.get("rope_theta", 10000.0),
-                  max_seq_len=cfg.get("max_position_embeddings", 2048))
-    sd = hf_to_meta(hf, ModelArgs.from_dict(params))
-    if cfg.get("tie_word_embeddings"):  # transformers then ignores any lm_head.weight in the files
-        sd.pop("output.weight", None)
-    return _args_for(params, sd), sd
-
-
-def _args_for(params, sd):
-    """ModelArgs that fit the weights: the SwiGLU size comes from w1's shape (HF stores only the
-    number; Meta a rounding rule that need not match it), and a missing output means tied."""
-    args = ModelArgs.from_dict({**params, "tie_embeddings": "output.weight" not in sd})
-    hidden = sd["layers.0.feed_forward.w1.weight"].shape[0]
-    if args.hidden_dim != hidden:
-        args = ModelArgs.from_dict({**asdict(args), **ffn_settings(args.dim, hidden)})
-    if args.tie_embeddings:
-        sd["output.weight"] = sd["tok_embeddings.weight"]  # as a tied model's state_dict() has it
-    return args
-
-
-def ffn_settings(dim, hidden_dim):
-    """multiple_of and ffn_dim_multiplier for which Llama's rule (ModelArgs.hidden_dim) gives exactly
-    hidden_dim: the usual 256 when that fits, else multiple_of=hidden_dim, which rounds any size in
-    (0, hidden_dim] up to hidden_dim, with a multiplier shrinking 8*dim/3 into that range when it is
-    larger (float rounding may land one below hidden_dim, which still rounds up)."""
-    for multiple_of, mult in ((256, None), (hidden_dim, None), (hidden_dim, hidden_dim / int(8 * dim / 3))):
-        if ModelArgs(dim=dim, n_heads=1, multiple_of=multiple_of, ffn_dim_multiplier=mult).hidden_dim == hidden_dim:
-            return dict(multiple_of=multiple_of, ffn_dim_multiplier=mult)
-    raise ValueError(f"no multiple_of/ffn_dim_multiplier give a SwiGLU size of {hidden_dim} at dim={dim}")
-
-
-def _permute(w, n_heads):
-    # Meta's RoPE rotates row pairs (0, 1), (2, 3), ... of each head; HF's rotate_half rotates rows
-    # (i, i + head_dim/2), so HF stores each head's even rows first, then its odd ones
-    return w.unflatten(0, (n_heads, -1, 2)).transpose(1, 2).flatten(0, 2)
-
-
-def _unpermute(w, n_heads):
-    return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).flatten(0, 2)
-
-
-def _rope_heads(module, args):
-    # only q and k go through RoPE, so only their rows differ between the layouts
-    return {"wq": args.n_heads, "wk": args.n_kv_heads}.get(module.rsplit(".", 1)[-1])
-
-
-def _rename(module, table):
-    generic = re.sub(r"\.\d+\.", ".{}.", module, count=1)
-    if generic not in table:
-        raise ValueError(f"unexpected tensor {module} in a Llama checkpoint")
-    return table[generic].format(*re.findall(r"\.(\d+)\.", module))
-
-
-def meta_to_hf(state_dict, args):
-    out = {}
-    for k, v in state_dict.items():
-        module = k.removesuffix(".weight")
-        heads = _rope_heads(module, args)
-        out[_rename(module, HF_NAMES) + ".weight"] = v if heads is None else _permute(v, heads)
-    return out
-
-
-def hf_to_meta(state_dict, args):
-    out = {}
-    for k, v in state_dict.items():
-        if k.endswith("rotary_emb.inv_freq"):  # a buffer old HF checkpoints saved; rebuilt from the args
-            continue
-        module = _rename(k.removesuffix(".weight"), META_NAMES)
-        heads = _rope_heads(module, args)
-        out[module + ".weight"] = v if heads is None else _unpermute(v, heads)
-    return out
-
-
-def _plain(state_dict, args):
-    # a LoRA model exports as the plain model it computes, W + scale * B @ A
-    return merge_lora(state_dict, args) if any(k.endswith("lora_a") for k in state_dict) else state_dict
-
-
-@contextmanager
-def _atomic_dir(out_dir):
-    """A temp directory beside out_dir, renamed into place once written, so a crash never leaves a
-    half-written checkpoint; an existing out_dir is replaced."""
-    out_dir = os.path.abspath(out_dir)
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp", dir=os.path.dirname(out_dir))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
-        if os.path.exists(out_dir):  # rename cannot replace a non-empty directory
-            os.rename(out_dir, tmp + ".old")
-        os.rename(tmp, out_dir)
-        shutil.rmtree(tmp + ".old", ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _write_json(obj, path):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-
-
-def export_meta(state_dict, args, out_dir):
-    """params.json + consolidated.00.pth, as Meta's llama code loads them."""
-    with _atomic_dir(out_dir) as tmp:
-        _write_json({k: getattr(args, k) for k in META_PARAMS}, os.path.join(tmp, "params.json"))
-        torch.save(_plain(state_dict, args), os.path.join(tmp, "consolidated.00.pth"))
-
-
-def export_hf(state_dict, args, out_dir):
-    """config.json + model.safetensors, as transformers' LlamaForCausalLM loads them."""
-    sd = _plain(state_dict, args)
-    if args.tie_embeddings:  # safetensors refuses shared tensors, and transformers re-ties them
-        sd = {k: v for k, v in sd.items() if k != "output.weight"}
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-              "torch_dtype": str(sd["tok_embeddings.weight"].dtype).removeprefix("torch."),
-              "hidden_size": args.dim, "intermediate_size": args.hidden_dim, "num_hidden_layers": args.n_layers,
-              "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
-              "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-              "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings}
-    with _atomic_dir(out_dir) as tmp:
-        _write_json(config, os.path.join(tmp, "config.json"))
-        # transformers refuses safetensors files without the format in their metadata
-        save_file({k: v.contiguous() for k, v in meta_to_hf(sd, args).items()},
-                  os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-
-
-def save_adapter(state_dict, args, out_dir):
-    """Only the LoRA weights, in PEFT's layout (adapter_model.safetensors + adapter_config.json),
-    so peft can apply them to the export_hf directory of the base model."""
-    tensors = {}
-    for k, v in adapter_state_dict(state_dict).items():
-        module, ab = k.rsplit(".", 1)
-        heads = _rope_heads(module, args)
-        if ab == "lora_b" and heads:  # B's rows are q/k's output rows, which HF permutes; A's input is not
-            v = _permute(v, heads)
-        tensors[f"base_model.model.{_rename(module, HF_NAMES)}.lora_{ab[-1].upper()}.weight"] = v.contiguous()
-    if not tensors:
-        raise ValueError("the state dict holds no LoRA weights: was lora_rank 0?")
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
-              "lora_dropout": args.lora_dropout, "target_modules": sorted({k.split(".")[-3] for k in tensors}),
-              "bias": "none"}
-    with _atomic_dir(out_dir) as tmp:
-        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-        _write_json(config, os.path.join(tmp, "adapter_config.json"))
-
-
-def load_adapter(path, args):
-    """(LoRA settings for ModelArgs, adapter state dict in nanotune's names) from a PEFT directory;
-    args are the base model's, whose head counts undo the q/k permutation of lora_b."""
-    with open(os.path.join(path, "adapter_config.json")) as f:
-        cfg = json.load(f)
-    if cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise ValueError(f"{path} uses rsLoRA, DoRA or per-module ranks, which nanotune's LoRA does not implement")
-    sd = {}
-    for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items():
-        m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", k)
-        if m is None:
-            raise ValueError(f"{k} in {path} is not a LoRA A or B weight")
-        module = _rename(m[1], META_NAMES)
-        heads = _rope_heads(module, args)
-        sd[f"{module}.lora_{m[2].lower()}"] = _unpermute(v, heads) if m[2] == "B" and heads else v
-    targets = {k.split(".")[-2] for k in sd}
-    settings = dict(lora_rank=cfg["r"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg.get("lora_dropout", 0.0),
-                    lora_targets=tuple(t for t in LORA_TARGETS if t in targets))
-    return settings, sd

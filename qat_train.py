@@ -45,8 +45,8 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, flops_per_token, load_checkpoint, merge_lora,
-                   peak_flops)
+from checkpoint import load_checkpoint
+from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer, flops_per_token, merge_lora, peak_flops
 
 # -----------------------------------------------------------------------------
 # I/O

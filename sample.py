@@ -18,7 +18,8 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 import sentencepiece as spm
 import torchao  # noqa: F401  (registers the quantized tensor types quantized.pt holds)
 
-from model import Transformer, load_checkpoint, merge_lora
+from checkpoint import load_checkpoint
+from model import Transformer, merge_lora
 
 # -----------------------------------------------------------------------------
 init_from = "out/tiny_qat/quantized.pt"  # a checkpoint file or a Meta / HF directory

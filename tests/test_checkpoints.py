@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model import (  # noqa: E402
-    PRESETS, ModelArgs, Transformer, export_hf, export_meta, ffn_settings, load_adapter,
-    load_checkpoint, merge_lora, save_adapter,
+from checkpoint import (  # noqa: E402
+    export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, save_adapter,
 )
+from model import PRESETS, ModelArgs, Transformer, merge_lora  # noqa: E402
 
 TOKENS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -144,7 +144,7 @@ def test_hf_round_trip_and_reference(tmp_path):
 def test_hf_directory_not_written_by_nanotune(tmp_path, tied):
     # random weights in HF's layout straight from a config: loading must undo the permutation
     # on its own, not merely invert export_hf
-    cfg = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+    cfg = dict(model_type="llama", hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
                intermediate_size=77, vocab_size=50, rms_norm_eps=1e-6, rope_theta=500.0,
                max_position_embeddings=64, tie_word_embeddings=tied)
     gen = torch.Generator().manual_seed(3)
@@ -263,3 +263,74 @@ def test_adapter_round_trip(tmp_path):
     expected = {k: v for k, v in sd.items() if k.endswith(("lora_a", "lora_b"))}
     assert adapter.keys() == expected.keys()
     assert all(torch.equal(adapter[k], expected[k]) for k in expected)
+
+
+def test_meta_tied_layout(tmp_path):
+    # Meta's Llama 3.2 files hold output.weight as a copy of the embedding: loaded tied, exported
+    # the same way; an untied model whose output happens to share the embedding's first row is not
+    args = toy_args(tie_embeddings=True)
+    model = build(args)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}  # two separate copies, as in Meta's file
+    d = tmp_path / "meta"
+    d.mkdir()
+    torch.save(sd, d / "consolidated.00.pth")
+    params = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of")}
+    (d / "params.json").write_text(json.dumps(params))
+    args2, sd2 = load_checkpoint(str(d))
+    assert args2.tie_embeddings and sd2["output.weight"] is sd2["tok_embeddings.weight"]
+    assert torch.equal(logits_of(args2, sd2), model(TOKENS))
+    for weights in (True, False):  # every rank must reach the same args, with or without the weights
+        assert load_checkpoint(str(d), weights=weights)[0] == args2
+    sd["output.weight"][1:] += 1.0
+    torch.save(sd, d / "consolidated.00.pth")
+    assert not load_checkpoint(str(d))[0].tie_embeddings
+
+
+def test_meta_params_refusals_and_mistral_layout(tmp_path):
+    args = toy_args(n_kv_heads=2, sliding_window=16)
+    model = build(args)
+    d = tmp_path / "meta"
+    d.mkdir()
+    torch.save(model.state_dict(), d / "consolidated.00.pth")
+    # Mistral's params.json: head_dim, hidden_dim and sliding_window, no multiple_of
+    params = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=args.hidden_dim, norm_eps=1e-5,
+                  sliding_window=16, vocab_size=64, rope_theta=10000.0)
+    (d / "params.json").write_text(json.dumps(params))
+    args2, sd = load_checkpoint(str(d))
+    assert args2.sliding_window == 16 and args2.hidden_dim == args.hidden_dim
+    assert torch.equal(logits_of(args2, sd), model(TOKENS))
+    for change, message in [(dict(moe={"num_experts": 8}), r"params.json has moe=\{'num_experts': 8\}, which nanotune"),
+                            (dict(hidden_dim=args.hidden_dim + 2), r"gives a SwiGLU size of \d+ but the weights have"),
+                            (dict(rope_theta=None), r"Mistral's layout but has no rope_theta"),
+                            (dict(rope_scaling_factor=32.0), r"without use_scaled_rope=true"),
+                            (dict(head_dim=8), r"wk.weight of shape \(32, 64\), but its settings imply \(16, 64\)")]:
+        p = {k: v for k, v in {**params, **change}.items() if v is not None}
+        (d / "params.json").write_text(json.dumps(p))
+        with pytest.raises(ValueError, match=message):
+            load_checkpoint(str(d))
+
+
+def test_hf_config_inconsistent_with_weights(tmp_path):
+    args = toy_args()
+    export_hf(build(args).state_dict(), args, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for change, message in [(dict(head_dim=8), r"k_proj.weight of shape \(32, 64\), but its settings imply \(16, 64\)"),
+                            (dict(vocab_size=65), r"have lm_head.weight of shape \(64, 64\), but its settings imply"),
+                            (dict(intermediate_size=100), r"gives a SwiGLU size of 100 but the weights have"),
+                            (dict(num_hidden_layers=3), r"have no model.layers.2.self_attn.k_proj.weight, which")]:
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=message):
+            load_checkpoint(str(tmp_path / "hf"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    assert load_checkpoint(str(tmp_path / "hf"))[0].tie_embeddings  # transformers, too, drops lm_head then
+
+
+def test_export_refuses_missing_tokenizer_file(tmp_path):
+    args = toy_args()
+    for export, own_file in ((export_hf, "config.json"), (export_meta, "params.json")):
+        with pytest.raises(ValueError, match=r"tokenizer file '.*nope.model' does not exist"):
+            export(build(args).state_dict(), args, tmp_path / "out", tokenizer_files=[str(tmp_path / "nope.model")])
+        (tmp_path / own_file).write_text("{}")
+        with pytest.raises(ValueError, match=r"has the name of a file the export writes itself"):
+            export(build(args).state_dict(), args, tmp_path / "out", tokenizer_files=[str(tmp_path / own_file)])
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "params.json"]  # nothing half-written

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from conftest import ROOT, command, make_data, read_log, run, script_env
 
 sys.path.insert(0, str(ROOT))
-from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer, load_adapter, load_checkpoint  # noqa: E402
+from checkpoint import load_adapter, load_checkpoint  # noqa: E402
+from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer  # noqa: E402
 
 V = 256  # the data's vocabulary
 ENV = {"OMP_NUM_THREADS": "1"}  # the toy models are far slower with threads competing for 2 cores

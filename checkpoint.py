@@ -1,0 +1,492 @@
+"""
+Checkpoint formats in and out of model.py's Transformer:
+
+- nanotune's own ckpt.pt (one dict: model, model_args, optimizer, ...), written by the scripts;
+- Meta directories: params.json + consolidated.NN.pth (Llama 2, Llama 3.x, and Mistral's own
+  params.json with head_dim/hidden_dim/sliding_window);
+- Hugging Face directories: config.json + model*.safetensors (or pytorch_model*.bin) of a
+  LlamaForCausalLM or MistralForCausalLM, config in transformers 4.x style (top-level rope_theta,
+  rope_scaling) or 5.x style (rope_parameters);
+- PEFT adapter directories for LoRA weights.
+
+Every config key that changes what the model computes is either implemented or refused with one
+line naming it, before any tensor is read: a model loaded approximately gives numbers that look
+right and are not. Exports write a directory atomically (a temp directory renamed into place).
+"""
+
+import json
+import os
+import pickle
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict
+from glob import glob
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import LORA_TARGETS, ModelArgs, Transformer, adapter_state_dict, merge_lora
+
+# Meta module name -> Hugging Face module name; {} is the layer number
+HF_NAMES = {
+    "tok_embeddings": "model.embed_tokens",
+    "layers.{}.attention.wq": "model.layers.{}.self_attn.q_proj",
+    "layers.{}.attention.wk": "model.layers.{}.self_attn.k_proj",
+    "layers.{}.attention.wv": "model.layers.{}.self_attn.v_proj",
+    "layers.{}.attention.wo": "model.layers.{}.self_attn.o_proj",
+    "layers.{}.feed_forward.w1": "model.layers.{}.mlp.gate_proj",
+    "layers.{}.feed_forward.w2": "model.layers.{}.mlp.down_proj",
+    "layers.{}.feed_forward.w3": "model.layers.{}.mlp.up_proj",
+    "layers.{}.attention_norm": "model.layers.{}.input_layernorm",
+    "layers.{}.ffn_norm": "model.layers.{}.post_attention_layernorm",
+    "norm": "model.norm",
+    "output": "lm_head",
+}
+META_NAMES = {hf: meta for meta, hf in HF_NAMES.items()}
+# The dim along which Meta's model-parallel layers split a weight across consolidated.NN.pth:
+# column-parallel ones their outputs (0), row-parallel ones their inputs (1), Llama 2's
+# ParallelEmbedding the embedding dim (1). Norms are replicated.
+META_SHARD_DIM = {"tok_embeddings": 1, "wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo": 1, "w2": 1}
+# what Meta's own ModelArgs accepts; not max_seq_len, which its loader passes separately
+META_PARAMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
+               "norm_eps", "rope_theta")
+# Meta's use_scaled_rope has these values built into its code (factor, low, high, original context)
+META_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)
+META_ROPE_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+# params.json keys read here: Meta's, Mistral's, and nanotune's own for scalings Meta's code cannot
+# express; max_batch_size only sizes Meta's KV cache. Any other key is refused.
+META_KEYS = {*META_PARAMS, "use_scaled_rope", "max_seq_len", "max_batch_size", "head_dim", "hidden_dim",
+             "sliding_window", *META_ROPE_KEYS}
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+# transformers' defaults for keys a config.json may leave out
+HF_DEFAULTS = {"llama": dict(num_key_value_heads=None, max_position_embeddings=2048, sliding_window=None),
+               "mistral": dict(num_key_value_heads=8, max_position_embeddings=4096 * 32, sliding_window=4096)}
+# config.json keys that change what the model computes, each with the one value implemented here
+# (absent means transformers' default, which is that value). pretraining_tp is not among them:
+# transformers 4.x only split the same matmuls into slices with it, and 5.x ignores it.
+HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0,
+            "attention_dropout": 0.0,  # nanotune's attention has no dropout: training would differ
+            "quantization_config": None, "layer_types": None, "num_local_experts": None, "num_experts": None,
+            "num_experts_per_tok": None, "n_routed_experts": None, "moe_intermediate_size": None}
+HF_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+NOT_A_CHECKPOINT = ("init_from={!r} is neither a nanotune checkpoint nor a Meta (params.json) or Hugging Face "
+                    "(config.json) directory")
+
+
+def load_checkpoint(path, weights=True):
+    """(ModelArgs, state dict) from a nanotune checkpoint (a file, or a directory holding ckpt.pt),
+    a Meta directory (params.json + consolidated.NN.pth) or a Hugging Face Llama/Mistral directory
+    (config.json + model*.safetensors or pytorch_model*.bin). Tensors stay memory-mapped where
+    they can: load them with load_state_dict(assign=True) to avoid a copy. weights=False gives
+    meta tensors (shapes only): what every process but the one that broadcasts the weights needs,
+    without merging shards or permuting in memory. A tied model's state dict holds output.weight
+    as the same tensor as tok_embeddings.weight, as a tied Transformer's state_dict() does."""
+    if os.path.isfile(path) or os.path.isfile(os.path.join(path, "ckpt.pt")):
+        return _load_nanotune(path if os.path.isfile(path) else os.path.join(path, "ckpt.pt"))
+    if os.path.isfile(os.path.join(path, "params.json")) and glob(os.path.join(path, "consolidated.*.pth")):
+        return _load_meta(path, weights)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return _load_hf(path, weights)
+    raise ValueError(NOT_A_CHECKPOINT.format(path))
+
+
+def load_provenance(path):
+    """The provenance dict an export wrote to nanotune.json, or None for directories without one."""
+    file = os.path.join(path, "nanotune.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
+def _shapes_only(sd):
+    return {k: torch.empty_like(v, device="meta") for k, v in sd.items()}
+
+
+def _load_nanotune(file):
+    try:
+        # weights_only: unpickling arbitrary objects can run code, and a nanotune checkpoint holds
+        # only tensors and plain Python values
+        ckpt = torch.load(file, mmap=True, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{file} holds objects other than tensors and plain Python values, which "
+                         f"torch.load(weights_only=True) refuses to unpickle") from e
+    except RuntimeError as e:  # not a torch.save zip file
+        raise ValueError(NOT_A_CHECKPOINT.format(file)) from e
+    if not (isinstance(ckpt, dict) and "model" in ckpt and "model_args" in ckpt):
+        raise ValueError(NOT_A_CHECKPOINT.format(file))
+    return ModelArgs.from_dict(ckpt["model_args"]), ckpt["model"]
+
+
+def _load_meta(path, weights=True):
+    where = os.path.join(path, "params.json")
+    with open(where) as f:
+        params = json.load(f)
+    unknown = sorted(params.keys() - META_KEYS)
+    if unknown:
+        raise ValueError(f"{where} has {unknown[0]}={params[unknown[0]]!r}, which nanotune does not implement")
+    rope = {k: params.pop(k) for k in META_ROPE_KEYS if k in params}
+    if params.pop("use_scaled_rope", False):
+        params.update({**dict(zip(META_ROPE_KEYS, META_ROPE_SCALING)), **rope})
+    elif rope:
+        raise ValueError(f"{where} has {sorted(rope)} without use_scaled_rope=true; add it or remove them")
+    if "hidden_dim" in params and "rope_theta" not in params:
+        # Mistral's code and Llama 2's default theta differently when the file leaves it out
+        raise ValueError(f"{where} is in Mistral's layout but has no rope_theta; add the model's rope_theta")
+    shards = [torch.load(f, mmap=True, weights_only=True, map_location="cpu")
+              for f in sorted(glob(os.path.join(path, "consolidated.*.pth")))]
+    # Meta's tied models (Llama 3.2 1B/3B) store output.weight as a copy of the embedding; they are
+    # loaded tied, so training keeps them tied. Models that big are never split into shards.
+    first = shards[0]
+    if len(shards) == 1 and _same(first.get("output.weight"), first.get("tok_embeddings.weight")):
+        del first["output.weight"]
+    if not weights:
+        shards = [_shapes_only(shard) for shard in shards]
+    sd = {}
+    for k, v in shards[0].items():
+        if k == "rope.freqs":  # the original code's precomputed RoPE table; rebuilt from the args here
+            continue
+        dim = META_SHARD_DIM.get(k.split(".")[-2])
+        if k == "tok_embeddings.weight" and v.shape[1] == params["dim"]:
+            dim = 0  # Llama 3's VocabParallelEmbedding splits the vocab instead
+        sd[k] = v if len(shards) == 1 or dim is None else torch.cat([s[k] for s in shards], dim)
+    if params.get("vocab_size", -1) < 0:  # Llama 2 writes -1: the tokenizer decides
+        params["vocab_size"] = sd["tok_embeddings.weight"].shape[0]
+    hidden_dim = params.pop("hidden_dim", None)
+    return _args_for(params, sd, where, hidden_dim), sd
+
+
+def _same(a, b):
+    # the first row settles it for untied models without reading the whole embedding
+    if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return a.data_ptr() == b.data_ptr() or (torch.equal(a[:1], b[:1]) and torch.equal(a, b))
+
+
+def _load_hf(path, weights=True):
+    where = os.path.join(path, "config.json")
+    with open(where) as f:
+        cfg = json.load(f)
+    params = _hf_params(cfg, where)
+    hf = {}
+    for file in _hf_weight_files(path):
+        if file.endswith(".safetensors"):
+            hf.update(load_file(file))  # memory-mapped
+        else:
+            hf.update(torch.load(file, mmap=True, weights_only=True, map_location="cpu"))
+    if not weights:
+        hf = _shapes_only(hf)
+    sd = hf_to_meta(hf, ModelArgs.from_dict(params))
+    if params["tie_embeddings"]:  # transformers then ignores any lm_head.weight in the files
+        sd.pop("output.weight", None)
+    elif "output.weight" not in sd:
+        raise ValueError(f"{where} has tie_word_embeddings false but the weights have no lm_head.weight")
+    return _args_for(params, sd, where, cfg["intermediate_size"], hf_names=True), sd
+
+
+def _hf_params(cfg, where):
+    """ModelArgs settings from a transformers config.json, refusing whatever is not implemented."""
+    def refuse(key, value, why):
+        raise ValueError(f"{where} has {key}={value!r}, {why}")
+
+    model_type = cfg.get("model_type")
+    if model_type not in HF_ARCHITECTURES:
+        refuse("model_type", model_type, f"and nanotune implements only {sorted(HF_ARCHITECTURES)}")
+    architecture = HF_ARCHITECTURES[model_type]
+    if any(a != architecture for a in cfg.get("architectures") or ()):
+        refuse("architectures", cfg["architectures"], f"and nanotune implements only {architecture} for {model_type}")
+    for key, value in HF_FIXED.items():
+        if cfg.get(key, value) != value:
+            refuse(key, cfg[key], "which nanotune does not implement" + ("" if value is None else f" (only {value!r})"))
+    for key in HF_REQUIRED:
+        if key not in cfg:
+            raise ValueError(f"{where} has no {key}")
+    cfg = {**HF_DEFAULTS[model_type], **cfg}
+    if model_type == "llama" and cfg["sliding_window"] is not None:
+        refuse("sliding_window", cfg["sliding_window"], "which LlamaForCausalLM ignores; for a sliding window "
+               "set model_type 'mistral', else remove it")
+    return dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                n_kv_heads=cfg["num_key_value_heads"], head_dim=cfg.get("head_dim"), vocab_size=cfg["vocab_size"],
+                norm_eps=cfg.get("rms_norm_eps", 1e-6), max_seq_len=cfg["max_position_embeddings"],
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), sliding_window=cfg["sliding_window"],
+                **_hf_rope(cfg, where))
+
+
+def _hf_rope(cfg, where):
+    # transformers 4.x: top-level rope_theta and rope_scaling (whose type key was once "type");
+    # 5.x: everything in rope_parameters. A rope_scaling wins over rope_parameters, as in transformers.
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = cfg.get(key) or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"{where} has {key} per layer type, which nanotune does not implement")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{where} has {key}.partial_rotary_factor={rope['partial_rotary_factor']!r}, "
+                         f"which nanotune does not implement (only 1.0)")
+    if rope_type == "default":
+        return dict(rope_theta=theta)
+    if rope_type != "llama3":
+        raise ValueError(f"{where} has {key}.rope_type={rope_type!r}, which nanotune does not implement "
+                         f"(only 'default' and 'llama3')")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in rope]
+    if missing:
+        raise ValueError(f"{where} has rope_type 'llama3' without {', '.join(missing)} in {key}")
+    original = cfg.get("original_max_position_embeddings",
+                       rope.get("original_max_position_embeddings", cfg["max_position_embeddings"]))
+    return dict(rope_theta=theta, rope_scaling_factor=rope["factor"], rope_low_freq_factor=rope["low_freq_factor"],
+                rope_high_freq_factor=rope["high_freq_factor"], rope_original_max_seq_len=original)
+
+
+def _hf_weight_files(path):
+    for index, pattern in (("model.safetensors.index.json", "model*.safetensors"),
+                           ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+        index = os.path.join(path, index)
+        if os.path.isfile(index):
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+            missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+            if missing:
+                raise ValueError(f"{index} names {len(missing)} weight files that are not in {path} "
+                                 f"(e.g. {missing[0]}): finish the download")
+            return [os.path.join(path, n) for n in names]
+        # model*, not *.safetensors: Mistral's directories also hold consolidated.safetensors in Meta's names
+        files = sorted(glob(os.path.join(path, pattern)))
+        if files:
+            return files
+    raise ValueError(f"{path} has a config.json but no model*.safetensors or pytorch_model*.bin files")
+
+
+def _args_for(params, sd, where, hidden_dim=None, hf_names=False):
+    """ModelArgs that fit the weights, or one line saying where they do not: the SwiGLU size comes
+    from w1's shape (HF stores only the number; Meta a rounding rule that need not match it), a
+    missing output means tied, and every tensor must have the shape the args give it."""
+    def name(k):  # as the user's files call it
+        return _rename(k.removesuffix(".weight"), HF_NAMES) + ".weight" if hf_names else k
+
+    w1 = sd.get("layers.0.feed_forward.w1.weight")
+    if w1 is None:
+        raise ValueError(f"the weights beside {where} have no layers.0 feed-forward (w1, gate_proj) weight")
+    if hidden_dim is not None and hidden_dim != w1.shape[0]:
+        raise ValueError(f"{where} gives a SwiGLU size of {hidden_dim} but the weights have {w1.shape[0]}")
+    args = ModelArgs.from_dict({**params, "tie_embeddings": "output.weight" not in sd})
+    if args.hidden_dim != w1.shape[0]:
+        args = ModelArgs.from_dict({**asdict(args), **ffn_settings(args.dim, w1.shape[0])})
+    if args.tie_embeddings:
+        sd["output.weight"] = sd["tok_embeddings.weight"]  # as a tied model's state_dict() has it
+    with torch.device("meta"):
+        expected = Transformer(args).state_dict()
+    for k in sorted(expected.keys() | sd.keys()):
+        if k not in sd:
+            raise ValueError(f"the weights beside {where} have no {name(k)}, which its settings imply")
+        if k not in expected:
+            raise ValueError(f"the weights beside {where} have a tensor {name(k)} that a Llama of its settings has not")
+        if sd[k].shape != expected[k].shape:
+            raise ValueError(f"the weights beside {where} have {name(k)} of shape {tuple(sd[k].shape)}, "
+                             f"but its settings imply {tuple(expected[k].shape)}")
+    return args
+
+
+def ffn_settings(dim, hidden_dim):
+    """multiple_of and ffn_dim_multiplier for which Llama's rule (ModelArgs.hidden_dim) gives exactly
+    hidden_dim: the usual 256 when that fits, else multiple_of=hidden_dim, which rounds any size in
+    (0, hidden_dim] up to hidden_dim, with a multiplier shrinking 8*dim/3 into that range when it is
+    larger (float rounding may land one below hidden_dim, which still rounds up)."""
+    for multiple_of, mult in ((256, None), (hidden_dim, None), (hidden_dim, hidden_dim / int(8 * dim / 3))):
+        if ModelArgs(dim=dim, n_heads=1, multiple_of=multiple_of, ffn_dim_multiplier=mult).hidden_dim == hidden_dim:
+            return dict(multiple_of=multiple_of, ffn_dim_multiplier=mult)
+    raise ValueError(f"no multiple_of/ffn_dim_multiplier give a SwiGLU size of {hidden_dim} at dim={dim}")
+
+
+def _permute(w, n_heads):
+    # Meta's RoPE rotates row pairs (0, 1), (2, 3), ... of each head; HF's rotate_half rotates rows
+    # (i, i + head_dim/2), so HF stores each head's even rows first, then its odd ones
+    return w.unflatten(0, (n_heads, -1, 2)).transpose(1, 2).flatten(0, 2)
+
+
+def _unpermute(w, n_heads):
+    return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).flatten(0, 2)
+
+
+def _rope_heads(module, args):
+    # only q and k go through RoPE, so only their rows differ between the layouts
+    return {"wq": args.n_heads, "wk": args.n_kv_heads}.get(module.rsplit(".", 1)[-1])
+
+
+def _rename(module, table):
+    generic = re.sub(r"\.\d+\.", ".{}.", module, count=1)
+    if generic not in table:
+        raise ValueError(f"unexpected tensor {module} in a Llama checkpoint")
+    return table[generic].format(*re.findall(r"\.(\d+)\.", module))
+
+
+def meta_to_hf(state_dict, args):
+    out = {}
+    for k, v in state_dict.items():
+        module = k.removesuffix(".weight")
+        heads = _rope_heads(module, args)
+        out[_rename(module, HF_NAMES) + ".weight"] = v if heads is None else _permute(v, heads)
+    return out
+
+
+def hf_to_meta(state_dict, args):
+    out = {}
+    for k, v in state_dict.items():
+        if k.endswith("rotary_emb.inv_freq"):  # a buffer old HF checkpoints saved; rebuilt from the args
+            continue
+        module = _rename(k.removesuffix(".weight"), META_NAMES)
+        heads = _rope_heads(module, args)
+        out[module + ".weight"] = v if heads is None else _unpermute(v, heads)
+    return out
+
+
+def _plain(state_dict, args):
+    # a LoRA model exports as the plain model it computes, W + scale * B @ A
+    sd = merge_lora(state_dict, args) if any(k.endswith("lora_a") for k in state_dict) else dict(state_dict)
+    if args.tie_embeddings:  # one tensor under both names, whether or not the caller passed both
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    return sd
+
+
+@contextmanager
+def _atomic_dir(out_dir):
+    """A temp directory beside out_dir, renamed into place once written, so a crash never leaves a
+    half-written checkpoint; an existing out_dir is replaced."""
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp", dir=os.path.dirname(out_dir))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
+        if os.path.exists(out_dir):  # rename cannot replace a non-empty directory
+            os.rename(out_dir, tmp + ".old")
+        os.rename(tmp, out_dir)
+        shutil.rmtree(tmp + ".old", ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_json(obj, path):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def _check_tokenizer_files(tokenizer_files, written):
+    # before anything is written, so a wrong path leaves no half-made export behind
+    for f in tokenizer_files:
+        if not os.path.isfile(f):
+            raise ValueError(f"tokenizer file {f!r} does not exist or is not a file")
+        if os.path.basename(f) in written:
+            raise ValueError(f"tokenizer file {f!r} has the name of a file the export writes itself")
+
+
+def _finish(tmp, tokenizer_files, provenance):
+    for f in tokenizer_files:
+        shutil.copy(f, os.path.join(tmp, os.path.basename(f)))
+    _write_json(dict(provenance or {}), os.path.join(tmp, "nanotune.json"))
+
+
+def export_meta(state_dict, args, out_dir, tokenizer_files=(), provenance=None):
+    """params.json + consolidated.00.pth, as Meta's llama code loads them, plus copies of
+    tokenizer_files and nanotune.json holding the provenance dict. Tied embeddings are saved as
+    Meta's Llama 3.2 has them, output.weight beside tok_embeddings.weight (here one storage).
+    Settings Meta's params.json has no word for get Mistral's keys (head_dim, sliding_window) or
+    nanotune's (a RoPE scaling other than the one Meta's code fixes for use_scaled_rope), which
+    nanotune reads back and Meta's code would ignore."""
+    _check_tokenizer_files(tokenizer_files, ("params.json", "consolidated.00.pth", "nanotune.json"))
+    params = {k: getattr(args, k) for k in META_PARAMS}
+    if args.head_dim * args.n_heads != args.dim:
+        params["head_dim"] = args.head_dim
+    if args.sliding_window is not None:
+        params["sliding_window"] = args.sliding_window
+    if args.rope_scaling is not None:
+        params["use_scaled_rope"] = True
+        if args.rope_scaling != META_ROPE_SCALING:
+            params.update(zip(META_ROPE_KEYS, args.rope_scaling))
+    with _atomic_dir(out_dir) as tmp:
+        _write_json(params, os.path.join(tmp, "params.json"))
+        torch.save(_plain(state_dict, args), os.path.join(tmp, "consolidated.00.pth"))
+        _finish(tmp, tokenizer_files, provenance)
+
+
+def _hf_config(args, dtype, bos_id=None, eos_id=None):
+    """config.json for transformers, in the 4.x style (top-level rope_theta and rope_scaling) that
+    transformers 5 reads too. A sliding window makes it a Mistral: Llama's config has none."""
+    model_type = "llama" if args.sliding_window is None else "mistral"
+    scaling = args.rope_scaling and dict(zip(("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings"), args.rope_scaling))
+    config = {"architectures": [HF_ARCHITECTURES[model_type]], "model_type": model_type, "hidden_act": "silu",
+              "torch_dtype": str(dtype).removeprefix("torch."), "hidden_size": args.dim,
+              "intermediate_size": args.hidden_dim, "num_hidden_layers": args.n_layers,
+              "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+              "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+              "rope_scaling": scaling and {"rope_type": "llama3", **scaling},
+              "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
+              "bos_token_id": bos_id, "eos_token_id": eos_id}
+    if model_type == "mistral":
+        config["sliding_window"] = args.sliding_window
+    return config
+
+
+def export_hf(state_dict, args, out_dir, tokenizer_files=(), bos_id=None, eos_id=None, provenance=None):
+    """config.json + model.safetensors + generation_config.json, as transformers'
+    LlamaForCausalLM (MistralForCausalLM with a sliding window) loads them, plus copies of
+    tokenizer_files and nanotune.json holding the provenance dict. eos_id may be a list."""
+    _check_tokenizer_files(tokenizer_files, ("config.json", "generation_config.json", "model.safetensors",
+                                             "nanotune.json"))
+    sd = _plain(state_dict, args)
+    if args.tie_embeddings:  # safetensors refuses shared tensors, and transformers re-ties them
+        del sd["output.weight"]
+    config = _hf_config(args, sd["tok_embeddings.weight"].dtype, bos_id, eos_id)
+    generation = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}
+    with _atomic_dir(out_dir) as tmp:
+        _write_json(config, os.path.join(tmp, "config.json"))
+        _write_json(generation, os.path.join(tmp, "generation_config.json"))
+        # transformers refuses safetensors files without the format in their metadata
+        save_file({k: v.contiguous() for k, v in meta_to_hf(sd, args).items()},
+                  os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        _finish(tmp, tokenizer_files, provenance)
+
+
+def save_adapter(state_dict, args, out_dir):
+    """Only the LoRA weights, in PEFT's layout (adapter_model.safetensors + adapter_config.json),
+    so peft can apply them to the export_hf directory of the base model."""
+    tensors = {}
+    for k, v in adapter_state_dict(state_dict).items():
+        module, ab = k.rsplit(".", 1)
+        heads = _rope_heads(module, args)
+        if ab == "lora_b" and heads:  # B's rows are q/k's output rows, which HF permutes; A's input is not
+            v = _permute(v, heads)
+        tensors[f"base_model.model.{_rename(module, HF_NAMES)}.lora_{ab[-1].upper()}.weight"] = v.contiguous()
+    if not tensors:
+        raise ValueError("the state dict holds no LoRA weights: was lora_rank 0?")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
+              "lora_dropout": args.lora_dropout, "target_modules": sorted({k.split(".")[-3] for k in tensors}),
+              "bias": "none"}
+    with _atomic_dir(out_dir) as tmp:
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        _write_json(config, os.path.join(tmp, "adapter_config.json"))
+
+
+def load_adapter(path, args):
+    """(LoRA settings for ModelArgs, adapter state dict in nanotune's names) from a PEFT directory;
+    args are the base model's, whose head counts undo the q/k permutation of lora_b."""
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise ValueError(f"{path} uses rsLoRA, DoRA or per-module ranks, which nanotune's LoRA does not implement")
+    sd = {}
+    for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items():
+        m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", k)
+        if m is None:
+            raise ValueError(f"{k} in {path} is not a LoRA A or B weight")
+        module = _rename(m[1], META_NAMES)
+        heads = _rope_heads(module, args)
+        sd[f"{module}.lora_{m[2].lower()}"] = _unpermute(v, heads) if m[2] == "B" and heads else v
+    targets = {k.split(".")[-2] for k in sd}
+    settings = dict(lora_rank=cfg["r"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg.get("lora_dropout", 0.0),
+                    lora_targets=tuple(t for t in LORA_TARGETS if t in targets))
+    return settings, sd
