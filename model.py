@@ -1,6 +1,6 @@
 """
-A Llama-family decoder (Llama 2, TinyLlama, Mistral-style without the sliding window), small
-enough to read in one sitting.
+A Llama-family decoder (Llama 2, TinyLlama, Mistral with its sliding window), small enough to
+read in one sitting.
 
 - Built on the meta device and initialized afterwards (`init_weights` works after `to_empty`):
   the training scripts build every rank's model empty, load the weights on rank 0 only, and
@@ -49,7 +49,7 @@ class ModelArgs:
     rope_original_max_seq_len: int = 8192  # the context the unscaled model was trained on
     max_seq_len: int = 2048
     tie_embeddings: bool = False
-    sliding_window: Optional[int] = None
+    sliding_window: Optional[int] = None  # attend to at most this many previous positions; None = all
     # LoRA; rank 0 means none
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -172,7 +172,7 @@ def apply_rope(x, cos, sin):
     # Meta's layout: consecutive pairs (x0, x1), (x2, x3), ... are rotated together
     x = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
     x0, x1 = x.unbind(-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # (T, 1, D/2), or (B, T, 1, D/2) per-token positions
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
 
 
@@ -185,15 +185,40 @@ class Attention(nn.Module):
         self.wv = linear(args, "wv", args.dim, args.n_kv_heads * args.head_dim)
         self.wo = linear(args, "wo", args.n_heads * args.head_dim, args.dim)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None, cache=None, start=0):
+        """mask: bool, broadcastable to (B, H, T, keys), True where a query may attend a key; None
+        is plain causal attention. cache: a KVCache that x's keys and values are written into at
+        positions start..start+T-1, and that attention then reads every key up to them from."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        if cache is not None:
+            k, v = cache.update(k, v, start)  # (B, H, start + T, D)
+        # is_causal only without a mask: it is exact only when queries and keys are the same positions
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class KVCache:
+    """One layer's keys and values (B, n_kv_heads, max_len, head_dim) during generate, allocated at
+    the first write so that they take the activations' dtype and device."""
+
+    def __init__(self, max_len):
+        self.max_len, self.k, self.v = max_len, None, None
+
+    def update(self, k, v, start):
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"a KV cache of {self.max_len} positions cannot hold position {end - 1}")
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        self.k[:, :, start:end], self.v[:, :, start:end] = k, v
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class FeedForward(nn.Module):
@@ -215,8 +240,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None, cache=None, start=0):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, start)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -266,27 +291,59 @@ class Transformer(nn.Module):
                                self.args.rope_scaling)
         self.rope_cos, self.rope_sin = cos, sin  # still non-persistent buffers
 
-    def hidden(self, tokens):
+    def hidden(self, tokens, input_pos=None):
         """Final normalized hidden states (B, T, C) of tokens (B, T), for losses that apply the
-        output layer themselves (distillation). Under FSDP register it with
+        output layer themselves (distillation); input_pos as in forward. Under FSDP register it with
         register_fsdp_forward_method, so that it gathers parameters like forward does."""
-        return self._hidden(tokens)
+        return self._hidden(tokens, input_pos)
 
-    def _hidden(self, tokens):
+    def attention_mask(self, T, input_pos=None, start=0, device=None):
+        """The bool mask (True = may attend) of T queries at positions start..start+T-1 over keys
+        0..start+T-1, built once per forward and shared by all layers: causal, within
+        sliding_window, and with input_pos within the query's own sample. None where plain causal
+        attention is exact, so that SDPA takes its fast is_causal path."""
+        window = self.args.sliding_window
+        if window is not None and window < 1:
+            raise ValueError(f"sliding_window={window} leaves nothing to attend to; set None or a positive size")
+        if input_pos is None and start == 0 and (window is None or window >= T):
+            return None
+        q = torch.arange(start, start + T, device=device)[:, None]
+        k = torch.arange(start + T, device=device)
+        mask = k <= q  # (T, S)
+        if window is not None:
+            mask = mask & (q - k < window)  # the query itself is one of the window's keys
+        if input_pos is not None:
+            # a sample starts wherever the position is 0; tokens before the first start (a window
+            # that begins mid-sample) are sample 0
+            sample = (input_pos == 0).cumsum(1)  # (B, T)
+            mask = (mask & (sample[:, :, None] == sample[:, None, :]))[:, None]  # (B, 1, T, T)
+        return mask
+
+    def _hidden(self, tokens, input_pos=None, caches=None, start=0):
         T = tokens.shape[1]
-        if T > self.args.max_seq_len:
-            raise ValueError(f"sequence of {T} tokens is longer than max_seq_len={self.args.max_seq_len}")
+        if start + T > self.args.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens is longer than max_seq_len={self.args.max_seq_len}")
+        if input_pos is not None and (input_pos.shape != tokens.shape or caches is not None):
+            raise ValueError(f"input_pos of shape {tuple(input_pos.shape)} must match tokens' {tuple(tokens.shape)}, "
+                             f"and cannot be combined with a KV cache")
         h = self.tok_embeddings(tokens)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        if input_pos is None:
+            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, D/2)
+        else:
+            cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (B, T, D/2)
+        mask = self.attention_mask(T, input_pos, start, tokens.device)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, None if caches is None else caches[i], start)
         return self.norm(h)
 
-    def forward(self, tokens, targets=None, reduction="mean", loss_chunk=None):
+    def forward(self, tokens, targets=None, reduction="mean", loss_chunk=None, input_pos=None):
         """Logits (B, T, V) without targets; with targets (B, T), the cross-entropy over positions
         whose target is not IGNORE_INDEX: its mean, or its sum when reduction='sum' (callers that
-        normalize over several micro-batches and ranks divide by the global count themselves)."""
-        h = self._hidden(tokens)  # not self.hidden: its FSDP hooks must not nest in forward's
+        normalize over several micro-batches and ranks divide by the global count themselves).
+        input_pos (B, T), for rows packed with several samples: each token's position within its
+        own sample (0 at the sample's first token); attention then stays within each sample.
+        None: one sequence per row at positions 0..T-1."""
+        h = self._hidden(tokens, input_pos)  # not self.hidden: its FSDP hooks must not nest in forward's
         if targets is None:
             return self.output(h)
         chunk = loss_chunk or max(1, LOGITS_PER_CHUNK // self.args.vocab_size)  # tokens per chunk
@@ -296,12 +353,26 @@ class Transformer(nn.Module):
         return loss / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
     @torch.no_grad()
-    def generate(self, tokens, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None):
-        """Samples max_new_tokens after tokens (B, T); temperature 0 is greedy. Recomputes the
-        full context each step: simple, and fast enough for the small models sampled here."""
+    def generate(self, tokens, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None,
+                 use_cache=True):
+        """Samples max_new_tokens after tokens (B, T); temperature 0 is greedy. With use_cache the
+        prompt runs once and every later step runs only the newest token, reading earlier keys and
+        values from per-layer caches that live only during this call. A context longer than
+        max_seq_len has positions beyond the RoPE tables: from then on each step re-runs the last
+        max_seq_len tokens from position 0, as use_cache=False does at every step, so a long
+        generation slows down rather than fails."""
+        L = self.args.max_seq_len
+        caches = None
         for _ in range(max_new_tokens):
-            ctx = tokens[:, -self.args.max_seq_len:]
-            logits = self(ctx)[:, -1, :].float()
+            T = tokens.shape[1]
+            if use_cache and caches is not None and T <= L:
+                h = self._hidden(tokens[:, -1:], caches=caches, start=T - 1)
+            elif use_cache and T <= L:  # prefill
+                caches = [KVCache(min(T + max_new_tokens, L)) for _ in self.layers]
+                h = self._hidden(tokens, caches=caches)
+            else:
+                h = self._hidden(tokens[:, -L:])
+            logits = self.output(h[:, -1]).float()  # (B, V)
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
