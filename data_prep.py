@@ -21,7 +21,7 @@ beside these (id, url, ...) are ignored; a record with both shapes or neither is
 
 Plain text (no prompt/response anywhere in the input) is one flat stream per split, each document
 as BOS, its tokens, EOS (no BOS if the tokenizer has none). A document cut by the split (below)
-keeps its BOS with its head in train and its EOS with its tail in val.
+becomes two, its head in train and its tail in val, each with its BOS and EOS.
 
 Packed (some input has prompt/response; --block_size N required): every record is a sample, BOS
 prompt response EOS, packed whole and in order into rows of exactly N tokens, padded with eos_id.
@@ -52,8 +52,8 @@ exactly their share (one big input.txt is split as nanoGPT splits Shakespeare). 
 document, and every fine-tuning sample, stays whole: taken in the order of a hash of its name
 (path in the input folder, plus record number), each goes to val while the val characters of these
 documents stay within val_fraction of theirs. What that leaves short is less than one small
-document, at most a quarter of the target, so val gets between about half and all of what was
-asked. Only samples too few or too big to split finely (say three samples at 1%) can miss; val
+document, at most a quarter of the target, so val gets between three quarters and all of what
+was asked, in characters (and about that in tokens). Only samples too few or too big to split finely (say three samples at 1%) can miss; val
 still gets at least one and train keeps the rest, and the share is printed with a warning. The
 split is a pure function of the input, so reruns give the same one; it is kept in meta.json.
 
@@ -669,8 +669,8 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
                 yield prompt, text, bool(c <= 0), first, last
             else:
                 j = line_cut(text, c)
-                yield None, text[:j], False, first, False
-                yield None, text[j:], True, False, last
+                yield None, text[:j], False, first, True  # each part a document of its own
+                yield None, text[j:], True, True, last
 
     # second pass: encode into a temp folder beside out_dir (os.replace works within one file system)
     out_dir = os.path.abspath(out_dir)
