@@ -46,16 +46,17 @@ What ends up in out_dir:
     data = np.memmap(os.path.join(out_dir, "train.bin"), dtype=meta["dtype"], mode="r")
 
 The split aims at val_fraction of the characters, whatever the corpus looks like. Let T be the
-characters of the whole input. A plain-text document longer than val_fraction * T / 4 is large: its
-last val_fraction (cut at a line boundary) goes to val, its head to train, so large documents give
-exactly their share (one big input.txt is split as nanoGPT splits Shakespeare). Every other
-document, and every fine-tuning sample, stays whole: taken in the order of a hash of its name
-(path in the input folder, plus record number), each goes to val while the val characters of these
-documents stay within val_fraction of theirs. What that leaves short is less than one small
-document, at most a quarter of the target, so val gets between three quarters and all of what
-was asked, in characters (and about that in tokens). Only samples too few or too big to split finely (say three samples at 1%) can miss; val
-still gets at least one and train keeps the rest, and the share is printed with a warning. The
-split is a pure function of the input, so reruns give the same one; it is kept in meta.json.
+characters of the whole input. A plain-text document longer than val_fraction * T / 4, whose last
+val_fraction is at least MIN_TAIL_CHARS, is large: that tail (cut at a line boundary) goes to val and
+its head to train, so large documents give exactly their share (one big input.txt is split as
+nanoGPT splits Shakespeare). Every other document, and every fine-tuning sample, stays whole: taken
+in the order of a hash of its name (path in the input folder, plus record number), each goes to val
+while the val characters of these documents stay within val_fraction of theirs. When that reaches
+less than half of their share (too few documents, e.g. a single small file), the largest plain one
+is cut for the rest. Val so gets between half and all of what was asked, in characters (about that
+in tokens). Only fine-tuning samples too few or too big to split finely (say three at 1%) can miss:
+val still gets one and train keeps the rest, and a warning is printed. The split is a pure function
+of the input, so reruns give the same one; meta.json keeps the shares.
 
 Outputs are built in a temporary folder next to out_dir and moved in at the end (meta.json last),
 so a failed run never leaves a half-written out_dir, and an existing one is replaced only then.
@@ -96,6 +97,9 @@ DOC_CHARS = 1 << 22
 SAMPLE_CHARS = 16 << 20
 # documents go to the encoding workers in chunks of about this many characters
 CHUNK_CHARS = 1 << 20
+# a document is cut for the split only if its val tail would be this long: shorter tails would be
+# mostly BOS and EOS
+MIN_TAIL_CHARS = 1000
 # every name a tokenizer can have in out_dir: an older run's are removed, so one never shadows another
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 BIN_NAMES = tuple(f"{s}{k}.bin" for s in ("train", "val") for k in ("", "_mask", "_pos"))
@@ -438,34 +442,41 @@ def assign_split(sizes, hashes, cuttable, val_fraction):
     sizes and hashes (in [0, 1)) per document; cuttable says which may be cut (plain text). See the
     module docstring for the rule."""
     sizes, hashes = np.asarray(sizes, np.int64), np.asarray(hashes, np.float64)
-    large = np.asarray(cuttable, bool) & (sizes > val_fraction * sizes.sum() / 4)
+    cuttable = np.asarray(cuttable, bool)
+    tails = np.maximum(1, np.round(val_fraction * sizes)).astype(np.int64)
+    large = cuttable & (sizes > val_fraction * sizes.sum() / 4) & (tails >= MIN_TAIL_CHARS)
     val_start = sizes.copy()
-    val_start[large] -= np.maximum(1, np.round(val_fraction * sizes[large]).astype(np.int64))
+    val_start[large] -= tails[large]
     small = np.flatnonzero(~large)
     goal, taken = val_fraction * sizes[small].sum(), 0
-    rest = []
     for i in small[np.argsort(hashes[small], kind="stable")]:
         if taken + sizes[i] <= goal:
             val_start[i], taken = 0, taken + sizes[i]
-        else:
-            rest.append(i)
-    # samples too big to fit: one more if val is far short (or empty), as long as train keeps one
-    val_empty = not (val_start < sizes).any()
-    if rest and taken < goal / 2 and (len(rest) > 1 or large.any()):
+    if taken >= goal / 2:
+        return val_start
+    # too few small documents to get near the goal whole: cut the largest plain one for the rest,
+    # else (samples only) take one more sample, as long as train keeps one
+    deficit = int(round(goal - taken))
+    rest = [i for i in small if val_start[i] == sizes[i]]
+    if plain := [i for i in rest if cuttable[i] and sizes[i] > deficit]:
+        i = max(plain, key=lambda i: (sizes[i], -hashes[i]))
+        val_start[i] -= max(1, deficit)
+    elif len(rest) > 1 or large.any():
         i = min(rest, key=lambda i: (sizes[i], hashes[i]))
-        if val_empty or taken + sizes[i] <= 2 * goal:
+        if taken + sizes[i] <= 2 * goal or not (val_start < sizes).any():
             val_start[i] = 0
     return val_start
 
 
-def line_cut(text, pos):
-    """The line boundary nearest past pos (else before it, else pos), kept inside (0, len(text))."""
-    cut = text.find("\n", pos) + 1
-    if cut in (0, len(text)):
-        cut = text.rfind("\n", 0, pos) + 1
-    if cut in (0, len(text)):
-        cut = pos
-    return min(max(cut, 1), len(text) - 1)
+def line_cut(text, pos, tail):
+    """Where to cut text near pos, the intended start of a val tail of tail characters: a line boundary
+    if one is close enough to keep the tail between half and twice that long, else pos itself."""
+    after, before = text.find("\n", pos) + 1, text.rfind("\n", 0, pos) + 1
+    if 0 < after < len(text) and after - pos <= tail / 2:
+        return after
+    if 0 < before and pos - before <= tail:
+        return before
+    return min(max(pos, 1), len(text) - 1)
 
 
 # ----------------------------------------------------------------------------- encoding and packing
@@ -668,7 +679,7 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
             if c <= 0 or c >= len(text):
                 yield prompt, text, bool(c <= 0), first, last
             else:
-                j = line_cut(text, c)
+                j = line_cut(text, c, sizes[i] - val_start[i])
                 yield None, text[:j], False, first, True  # each part a document of its own
                 yield None, text[j:], True, True, last
 
