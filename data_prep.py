@@ -1,42 +1,70 @@
 """
-Tokenize a text corpus into the flat token memmaps the nanotune training scripts read.
+Tokenize a text corpus into the token memmaps the nanotune training scripts read.
 
     # default corpus, offline on any machine: the .py files of this Python's standard library
     python data_prep.py                                    # -> data/stdlib, BPE tokenizer of 4096
 
-    # a folder of text (searched recursively for .txt .md .py ... and .jsonl files)
+    # a folder of text (searched recursively for .txt .md .py ... and .jsonl/.json record files)
     python data_prep.py --input ~/notes --out_dir data/notes --vocab_size 8192
 
-    # fine-tuning data: JSONL, one {"prompt": ..., "response": ...} or {"text": ...} per line
-    python data_prep.py --input sft.jsonl --out_dir data/sft --tokenizer llama-2-7b/tokenizer.model
+    # the tokenizer of a model: a SentencePiece .model (Llama 2), a Hugging Face tokenizer.json or
+    # model folder (tokenizer.json + tokenizer_config.json), or Meta's Llama 3 tokenizer.model (tiktoken)
+    python data_prep.py --input books/ --out_dir data/books --tokenizer Meta-Llama-3.1-8B/
 
-    # any mix of files and folders, with the Llama 2 tokenizer
-    python data_prep.py --input books/ extra.txt --out_dir data/books --tokenizer llama-2-7b/tokenizer.model
+    # fine-tuning data: one {"prompt": ..., "response": ...} per JSON line (or a JSON array of them),
+    # packed whole into rows of block_size tokens
+    python data_prep.py --input sft.jsonl --out_dir data/sft --tokenizer Llama-3.2-1B/ --block_size 2048
+
+Records (.jsonl, or .json holding an array of records or JSON lines; a .json is never read as
+text): {"text": ...} is a document, {"prompt": ..., "response": ...} a fine-tuning sample. Other keys
+beside these (id, url, ...) are ignored; a record with both shapes or neither is refused.
+
+Plain text (no prompt/response anywhere in the input) is one flat stream per split, each document
+as BOS, its tokens, EOS (no BOS if the tokenizer has none). A document cut by the split (below)
+becomes two, its head in train and its tail in val, each with its BOS and EOS.
+
+Packed (some input has prompt/response; --block_size N required): every record is a sample, BOS
+prompt response EOS, packed whole and in order into rows of exactly N tokens, padded with eos_id.
+A sample over N tokens is truncated (keeps the prompt and the head of the response, no EOS) or
+skipped (--long_samples). Row r starts at token r*N, and one extra eos_id ends each file, so a
+trainer reads window w as tokens[w*N : w*N+N+1]: the target of a row's last token is the next
+row's first token, which is a sample's first token and never trained (mask 0).
 
 What ends up in out_dir:
 
-    train.bin, val.bin              token ids, each document followed by eos_id (no BOS);
-                                    np.uint16, or np.uint32 for vocabularies over 65536 pieces
-    train_mask.bin, val_mask.bin    only if some input has prompt/response: np.uint8, one per token,
-                                    1 = train on it (response and its EOS), 0 = prompt; plain text is all 1
-    tokenizer.model                 the SentencePiece model that made the ids (trained here, or a copy)
-    meta.json                       vocab_size, dtype, bos_id, eos_id, has_mask, token/document counts
+    train.bin, val.bin              token ids: np.uint16, or np.uint32 for vocabularies over 65536
+    train_mask.bin, val_mask.bin    packed only, np.uint8 per token: 1 = train on it as a target (the
+                                    response and its EOS), 0 = prompt, BOS, padding, each sample's first token
+    train_pos.bin, val_pos.bin      packed only, the token's position in its sample (0 at its first
+                                    token; padding is a sample of its own): np.uint16, or uint32 if N > 65536
+    tokenizer.model | tokenizer.json (+ tokenizer_config.json, special_tokens_map.json)
+                                    a copy of the tokenizer that made the ids
+    meta.json                       vocab_size, dtype, bos_id, eos_id, tokenizer fingerprint, counts, split
+                                    shares, and sha256 + size of every .bin file (hashed while written)
 
     meta = json.load(open(os.path.join(out_dir, "meta.json")))
     data = np.memmap(os.path.join(out_dir, "train.bin"), dtype=meta["dtype"], mode="r")
 
-Documents and the split: a text file is one document (files over DOC_CHARS characters are cut at
-line boundaries into several), a JSONL line is one document. Each document goes wholly to train or
-to val, by a hash of its name (its path inside the input folder, plus the JSONL line number), so
-reruns give the same split. Val always gets at least one document, and train too; an input that is a
-single text document is cut at a line boundary and its last val_fraction goes to val, as nanoGPT
-does with Shakespeare.
+The split aims at val_fraction of the characters, whatever the corpus looks like. Let T be the
+characters of the whole input. A plain-text document longer than val_fraction * T / 4, whose last
+val_fraction is at least MIN_TAIL_CHARS, is large: that tail (cut at a line boundary) goes to val and
+its head to train, so large documents give exactly their share (one big input.txt is split as
+nanoGPT splits Shakespeare). Every other document, and every fine-tuning sample, stays whole: taken
+in the order of a hash of its name (path in the input folder, plus record number), each goes to val
+while the val characters of these documents stay within val_fraction of theirs. When that reaches
+less than half of their share (too few documents, e.g. a single small file), the largest plain one
+is cut for the rest. Val so gets between half and all of what was asked, in characters (about that
+in tokens). Only fine-tuning samples too few or too big to split finely (say three at 1%) can miss:
+val still gets one and train keeps the rest, and a warning is printed. The split is a pure function
+of the input, so reruns give the same one; meta.json keeps the shares.
 
 Outputs are built in a temporary folder next to out_dir and moved in at the end (meta.json last),
 so a failed run never leaves a half-written out_dir, and an existing one is replaced only then.
 """
 
 import argparse
+import base64
+import binascii
 import contextlib
 import hashlib
 import io
@@ -50,6 +78,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from array import array
 
 import numpy as np
 import sentencepiece as spm
@@ -57,156 +86,189 @@ from tqdm import tqdm
 
 # files a folder input is searched for; a file named directly is read whatever its extension
 TEXT_EXTENSIONS = (".txt", ".md", ".rst", ".tex", ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu",
-                   ".rs", ".go", ".java", ".js", ".ts", ".sh", ".html", ".css", ".json", ".toml",
+                   ".rs", ".go", ".java", ".js", ".ts", ".sh", ".html", ".css", ".toml",
                    ".yaml", ".yml", ".cfg", ".ini")
+RECORD_EXTENSIONS = (".jsonl", ".json")  # parsed as records, never read as text
 # the default corpus leaves out the stdlib's tests (a third of it, and repetitive) and anything installed
 STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-# longer text files are cut into documents of about this many characters, so encoding one stays small
+# longer text files are read in pieces of about this many characters, so encoding one stays small
 DOC_CHARS = 1 << 22
 # the tokenizer trains on a deterministic sample of at most about this many characters of the input
 SAMPLE_CHARS = 16 << 20
 # documents go to the encoding workers in chunks of about this many characters
 CHUNK_CHARS = 1 << 20
+# a document is cut for the split only if its val tail would be this long: shorter tails would be
+# mostly BOS and EOS
+MIN_TAIL_CHARS = 1000
+# every name a tokenizer can have in out_dir: an older run's are removed, so one never shadows another
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+BIN_NAMES = tuple(f"{s}{k}.bin" for s in ("train", "val") for k in ("", "_mask", "_pos"))
+# the keys that identify a tokenizer; two fingerprints agree when these do
+FINGERPRINT_KEYS = ("kind", "sha256", "bos_id", "eos_id", "vocab_size")
 
 
-class DataPrepError(Exception):
+class DataPrepError(ValueError):
     """A mistake in the inputs or settings; main() prints it as one line, without a traceback."""
 
 
-def dtype_for_vocab(vocab_size):
-    """The smallest unsigned dtype that holds every token id below vocab_size."""
-    if vocab_size <= 2**16:
-        return np.uint16
-    if vocab_size <= 2**32:
-        return np.uint32
-    raise DataPrepError(f"a vocabulary of {vocab_size} pieces does not fit in uint32 token ids; "
-                        f"use a tokenizer with at most 2**32 pieces")
+# ----------------------------------------------------------------------------- tokenizers
+
+# Meta's Llama 3 tokenizer.py: its pre-tokenizer regex, and 256 special tokens numbered after the base ones
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+LLAMA3_SPECIALS += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(LLAMA3_SPECIALS))]
+# as Meta's tokenizer.py: tiktoken slows down badly on long inputs and on long runs of (non-)whitespace
+TIKTOKEN_MAX_ENCODE_CHARS = 400_000
+MAX_NO_WHITESPACES_CHARS = 25_000
 
 
-def stdlib_files():
-    """The default corpus: (path, key) for the .py files of the standard library, tests left out."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_SKIP_DIRS)  # sorted: same order everywhere
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                path = os.path.join(dirpath, name)
-                files.append((path, os.path.relpath(path, root).replace(os.sep, "/")))
-    return files
+class Tokenizer:
+    """A tokenizer of any supported library: encode(text) -> ids (no specials), decode(ids) -> text.
+
+    kind is 'sentencepiece', 'hf' or 'tiktoken'; files are the paths that define it (the first is
+    the vocabulary itself); bos_id is None when the tokenizer puts no BOS before a text."""
+
+    def __init__(self, kind, files, vocab_size, bos_id, eos_id, encode, decode):
+        self.kind, self.files, self.vocab_size = kind, files, vocab_size
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.encode, self.decode = encode, decode
+
+    def fingerprint(self):
+        with open(self.files[0], "rb") as f:
+            sha256 = hashlib.sha256(f.read()).hexdigest()
+        return dict(kind=self.kind, sha256=sha256, bos_id=self.bos_id, eos_id=self.eos_id, vocab_size=self.vocab_size)
+
+    def save(self, out_dir):
+        """Copy the defining files into out_dir under the names load_tokenizer(out_dir) finds; returns them."""
+        names = ["tokenizer.json" if self.kind == "hf" else "tokenizer.model"]
+        names += [os.path.basename(p) for p in self.files[1:]]
+        for src, name in zip(self.files, names):
+            shutil.copyfile(src, os.path.join(out_dir, name))
+        return names
 
 
-def list_files(inputs):
-    """(path, key) for every file to read; the key names a file independently of where the input lives."""
-    files = []
-    for inp in map(os.fspath, inputs):
-        if not os.path.exists(inp):
-            raise DataPrepError(f"--input {inp} does not exist")
-        if not os.path.isdir(inp):
-            files.append((inp, os.path.basename(inp)))
-            continue
-        for dirpath, dirnames, filenames in os.walk(inp):
-            # hidden folders (.git, .venv) and caches are not text anyone meant to train on
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
-            for name in sorted(filenames):
-                ext = os.path.splitext(name)[1].lower()
-                if not name.startswith(".") and (ext in TEXT_EXTENSIONS or ext == ".jsonl"):
-                    path = os.path.join(dirpath, name)
-                    files.append((path, os.path.relpath(path, inp).replace(os.sep, "/")))
-    return files
-
-
-def iter_documents(files, skipped=None):
-    """Yield (key, prompt, text) per document of the (path, key) files; prompt is None for plain text.
-
-    Text files that are not UTF-8 (or hold NUL bytes: binaries) are skipped and appended to skipped.
-    """
-    for path, key in files:
-        if path.lower().endswith(".jsonl"):
-            yield from _jsonl_documents(path, key)
-        else:
-            yield from _text_documents(path, key, skipped if skipped is not None else [])
-
-
-def _text_documents(path, key, skipped):
-    # newline="" keeps the text byte for byte, so decoding the tokens gives back the file
-    try:
-        f = open(path, encoding="utf-8", newline="")
-        text = f.read(DOC_CHARS)
-    except (UnicodeDecodeError, OSError):
-        skipped.append(path)
-        return
-    with f:
-        if "\x00" in text:
-            skipped.append(path)
-            return
-        i = 0
-        while text:
-            try:
-                text += f.readline()  # end the document at a line boundary
-                next_text = f.read(DOC_CHARS)
-            except UnicodeDecodeError:
-                # its start was text, so this is a damaged file rather than a binary: say so
-                raise DataPrepError(f"{path} is not valid UTF-8 after its first {DOC_CHARS * i:,} characters; "
-                                    f"fix its encoding or remove it from --input") from None
-            yield (key if i == 0 else f"{key}#{i}"), None, text
-            text, i = next_text, i + 1
-
-
-def _jsonl_documents(path, key):
-    try:
-        f = open(path, "rb")  # bytes, so a decode error can name its line
-    except OSError as e:
-        raise DataPrepError(f"cannot read {path}: {e.strerror}") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                record = json.loads(line)
-            except UnicodeDecodeError:  # a ValueError too, so it comes first
-                raise DataPrepError(f"{where} is not valid UTF-8") from None
-            except json.JSONDecodeError as e:
-                raise DataPrepError(f"{where} is malformed JSON ({e.msg}, column {e.colno})") from None
-            if isinstance(record, dict) and isinstance(record.get("text"), str):
-                if record["text"]:
-                    yield f"{key}:{lineno}", None, record["text"]
-            elif (isinstance(record, dict) and isinstance(record.get("prompt"), str)
-                  and isinstance(record.get("response"), str)):
-                if record["prompt"] or record["response"]:
-                    yield f"{key}:{lineno}", record["prompt"], record["response"]
-            else:
-                raise DataPrepError(f'{where} has neither a "text" string nor "prompt" and "response" strings')
-
-
-def unit_hash(s):
-    """A number in [0, 1) fixed by s on every machine and run (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.md5(s.encode("utf-8", "surrogatepass")).digest()[:8], "big") / 2**64
-
-
-def cut_in_two(text, val_fraction):
-    """Split text at the line boundary nearest past (1 - val_fraction) of it; for a single-document input."""
-    if len(text) < 2:
-        raise DataPrepError("the input is a single document of one character; give more text")
-    target = int(len(text) * (1 - val_fraction))
-    cut = text.find("\n", target) + 1
-    if cut in (0, len(text)):
-        cut = text.rfind("\n", 0, target) + 1
-    if cut in (0, len(text)):
-        cut = target  # a single line: cut mid-line rather than leave val empty
-    cut = min(max(cut, 1), len(text) - 1)
-    return text[:cut], text[cut:]
+def tokenizer_mismatch(a, b):
+    """'' when the fingerprints a and b (dicts such as meta.json's "tokenizer") agree, else what differs."""
+    return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in FINGERPRINT_KEYS if a.get(k) != b.get(k))
 
 
 def load_tokenizer(path):
-    """A SentencePieceProcessor for path, or a DataPrepError saying why it isn't one."""
+    """The Tokenizer at path: a SentencePiece model, an HF tokenizer.json, a Meta Llama 3 tiktoken
+    tokenizer.model (told apart by content), or a folder holding tokenizer.json or tokenizer.model."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if os.path.isfile(os.path.join(path, name)):
+                return load_tokenizer(os.path.join(path, name))
+        raise DataPrepError(f"tokenizer folder {path} holds neither tokenizer.json nor tokenizer.model; "
+                            f"give the tokenizer file itself")
     if not os.path.isfile(path):
-        raise DataPrepError(f"--tokenizer {path} does not exist")
+        raise DataPrepError(f"tokenizer {path} does not exist")
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.lstrip()[:1] == b"{":
+        return _hf_tokenizer(path, data)
+    if (ranks := _tiktoken_ranks(data)) is not None:
+        return _tiktoken_tokenizer(path, ranks)
+    sp = spm.SentencePieceProcessor()
     try:
-        return spm.SentencePieceProcessor(model_file=path)
-    except (RuntimeError, OSError):
-        raise DataPrepError(f"--tokenizer {path} is not a SentencePiece model (a tokenizer.model file)") from None
+        sp.LoadFromSerializedProto(data)
+    except RuntimeError:
+        raise DataPrepError(f"tokenizer {path} is none of a SentencePiece model, a Hugging Face tokenizer.json "
+                            f"or a Llama 3 tiktoken tokenizer.model") from None
+    return Tokenizer("sentencepiece", [path], sp.vocab_size(), sp.bos_id() if sp.bos_id() >= 0 else None,
+                     sp.eos_id() if sp.eos_id() >= 0 else None, sp.encode, sp.decode)
+
+
+def _hf_tokenizer(path, data):
+    from tokenizers import Tokenizer as HFTokenizer
+    try:
+        tok = HFTokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # tokenizers raises a bare Exception for a JSON it cannot read
+        raise DataPrepError(f"tokenizer {path} is JSON but not a Hugging Face tokenizer.json ({e})") from None
+    tok.encode_special_tokens = True  # "</s>" written in a text is text, not an EOS
+    folder = os.path.dirname(path)
+    extras = [p for p in (os.path.join(folder, n) for n in ("tokenizer_config.json", "special_tokens_map.json"))
+              if os.path.isfile(p)]
+    config = {}
+    for p in reversed(extras):  # tokenizer_config.json wins, as in transformers
+        with open(p, encoding="utf-8") as f:
+            config.update({k: v for k, v in json.load(f).items() if v is not None})
+
+    def special_id(field):
+        token = config.get(field)
+        token = token.get("content") if isinstance(token, dict) else token
+        if token is None:
+            return None
+        if (i := tok.token_to_id(token)) is None:
+            raise DataPrepError(f"{extras[0]} names {field} {token!r}, which {path} does not have")
+        return i
+
+    bos_id, eos_id = special_id("bos_token"), special_id("eos_token")
+    if eos_id is None:
+        raise DataPrepError(f"tokenizer {path} has no eos_token: put the tokenizer_config.json (or "
+                            f"special_tokens_map.json) that names it beside it")
+    add_bos = config.get("add_bos_token")
+    if add_bos is None:  # not set: the tokenizer's own post-processor decides, as in transformers
+        add_bos = bos_id is not None and tok.encode("a").ids[:1] == [bos_id]
+    return Tokenizer("hf", [path] + extras, max(tok.get_vocab(with_added_tokens=True).values()) + 1,
+                     bos_id if add_bos else None, eos_id,
+                     lambda text: tok.encode(text, add_special_tokens=False).ids,
+                     lambda ids: tok.decode(list(ids), skip_special_tokens=False))
+
+
+def _tiktoken_ranks(data):
+    """{token bytes: rank} if data is a tiktoken BPE file (lines of "base64 rank"), else None."""
+    ranks = {}
+    try:
+        for line in data.splitlines():
+            if line:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except (ValueError, binascii.Error):
+        return None
+    return ranks or None
+
+
+def _tiktoken_tokenizer(path, ranks):
+    import tiktoken
+    n = len(ranks)
+    if sorted(ranks.values()) != list(range(n)):
+        raise DataPrepError(f"tokenizer {path} is a tiktoken file whose ranks are not 0..{n - 1}, so Llama 3's "
+                            f"special tokens (numbered from {n}) would collide with them")
+    specials = {t: n + i for i, t in enumerate(LLAMA3_SPECIALS)}
+    enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=LLAMA3_SPLIT, mergeable_ranks=ranks,
+                            special_tokens=specials)
+
+    def encode(text):
+        ids = []
+        for i in range(0, len(text), TIKTOKEN_MAX_ENCODE_CHARS):
+            for part in _split_long_runs(text[i:i + TIKTOKEN_MAX_ENCODE_CHARS]):
+                ids += enc.encode(part, allowed_special=set(), disallowed_special=())  # specials in text are text
+        return ids
+
+    return Tokenizer("tiktoken", [path], n + len(specials), specials["<|begin_of_text|>"],
+                     specials["<|end_of_text|>"], encode, lambda ids: enc.decode(list(ids)))
+
+
+def _split_long_runs(s, limit=MAX_NO_WHITESPACES_CHARS):
+    """s cut so that no part holds more than limit whitespace or non-whitespace characters in a row."""
+    if not re.search(rf"\s{{{limit + 1}}}|\S{{{limit + 1}}}", s):
+        yield s
+        return
+    start, run, space = 0, 0, s[:1].isspace()
+    for i, c in enumerate(s):
+        if c.isspace() != space:
+            run, space = 1, not space
+        else:
+            run += 1
+            if run > limit:
+                yield s[start:i]
+                start, run = i, 1
+    yield s[start:]
 
 
 def train_tokenizer(sentences, vocab_size):
@@ -245,38 +307,258 @@ def train_tokenizer(sentences, vocab_size):
     return model.getvalue()
 
 
+def dtype_for_vocab(vocab_size):
+    """The smallest unsigned dtype that holds every token id below vocab_size."""
+    if vocab_size <= 2**16:
+        return np.uint16
+    if vocab_size <= 2**32:
+        return np.uint32
+    raise DataPrepError(f"a vocabulary of {vocab_size} pieces does not fit in uint32 token ids; "
+                        f"use a tokenizer with at most 2**32 pieces")
+
+
+# ----------------------------------------------------------------------------- reading the input
+
+def stdlib_files():
+    """The default corpus: (path, key) for the .py files of the standard library, tests left out."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_SKIP_DIRS)  # sorted: same order everywhere
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                files.append((path, os.path.relpath(path, root).replace(os.sep, "/")))
+    return files
+
+
+def list_files(inputs):
+    """(path, key) for every file to read; the key names a file independently of where the input lives."""
+    files = []
+    for inp in map(os.fspath, inputs):
+        if not os.path.exists(inp):
+            raise DataPrepError(f"--input {inp} does not exist")
+        if not os.path.isdir(inp):
+            files.append((inp, os.path.basename(inp)))
+            continue
+        for dirpath, dirnames, filenames in os.walk(inp):
+            # hidden folders (.git, .venv) and caches are not text anyone meant to train on
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+            for name in sorted(filenames):
+                ext = os.path.splitext(name)[1].lower()
+                if not name.startswith(".") and ext in TEXT_EXTENSIONS + RECORD_EXTENSIONS:
+                    path = os.path.join(dirpath, name)
+                    files.append((path, os.path.relpath(path, inp).replace(os.sep, "/")))
+    return files
+
+
+def iter_documents(files, skipped=None):
+    """Yield (key, prompt, text, first, last) per piece of each document of the (path, key) files.
+
+    prompt is None for plain text. A text file is one document, read in pieces of about DOC_CHARS
+    characters cut at line boundaries; first and last say whether a piece starts or ends its document.
+    Text files that are not UTF-8 (or hold NUL bytes: binaries) are skipped and appended to skipped.
+    """
+    for path, key in files:
+        if path.lower().endswith(RECORD_EXTENSIONS):
+            for k, prompt, text in _record_documents(path, key):
+                yield k, prompt, text, True, True
+        else:
+            yield from _text_documents(path, key, skipped if skipped is not None else [])
+
+
+def _text_documents(path, key, skipped):
+    # newline="" keeps the text byte for byte, so decoding the tokens gives back the file
+    try:
+        f = open(path, encoding="utf-8", newline="")
+        text = f.read(DOC_CHARS)
+    except (UnicodeDecodeError, OSError):
+        skipped.append(path)
+        return
+    with f:
+        if "\x00" in text:
+            skipped.append(path)
+            return
+        i = 0
+        while text:
+            try:
+                text += f.readline()  # end the piece at a line boundary
+                next_text = f.read(DOC_CHARS)
+            except UnicodeDecodeError:
+                # its start was text, so this is a damaged file rather than a binary: say so
+                raise DataPrepError(f"{path} is not valid UTF-8 after its first {DOC_CHARS * i:,} characters; "
+                                    f"fix its encoding or remove it from --input") from None
+            yield key, None, text, i == 0, not next_text
+            text, i = next_text, i + 1
+
+
+def _record_documents(path, key):
+    """(key, prompt, text) per record of a .jsonl file, or of a .json file (one array, or JSON lines)."""
+    try:
+        with open(path, "rb") as f:  # bytes, so a decode error can name its line
+            data = f.read()
+    except OSError as e:
+        raise DataPrepError(f"cannot read {path}: {e.strerror}") from None
+    if path.lower().endswith(".json") and data.lstrip()[:1] == b"[":
+        try:
+            records = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataPrepError(f"{path} starts like a JSON array of records but does not parse ({e}); fix it") from None
+        numbered = ((f"{path} record {i}", i, r) for i, r in enumerate(records, 1))
+    else:
+        numbered = ((f"{path} line {i}", i, line) for i, line in enumerate(data.splitlines(), 1) if line.strip())
+    for where, i, record in numbered:
+        if isinstance(record, bytes):
+            try:
+                record = json.loads(record)
+            except UnicodeDecodeError:  # a ValueError too, so it comes first
+                raise DataPrepError(f"{where} is not valid UTF-8") from None
+            except json.JSONDecodeError as e:
+                what = "is neither a JSON array of records nor JSON lines" if path.lower().endswith(".json") \
+                    else "is malformed JSON"
+                raise DataPrepError(f"{where} {what} ({e.msg}, column {e.colno})") from None
+        keys = record.keys() if isinstance(record, dict) else ()
+        text = isinstance(record, dict) and isinstance(record.get("text"), str)
+        pair = isinstance(record, dict) and all(isinstance(record.get(k), str) for k in ("prompt", "response"))
+        if text == pair or (text and ("prompt" in keys or "response" in keys)):
+            raise DataPrepError(f'{where} has {"keys " + ", ".join(sorted(keys)) if keys else "no object"}: a record '
+                                f'needs a "text" string, or "prompt" and "response" strings, not both')
+        if text and record["text"]:
+            yield f"{key}:{i}", None, record["text"]
+        elif pair and (record["prompt"] or record["response"]):
+            yield f"{key}:{i}", record["prompt"], record["response"]
+
+
+def unit_hash(s):
+    """A number in [0, 1) fixed by s on every machine and run (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.md5(s.encode("utf-8", "surrogatepass")).digest()[:8], "big") / 2**64
+
+
+# ----------------------------------------------------------------------------- the split
+
+def assign_split(sizes, hashes, cuttable, val_fraction):
+    """Where each document's val part starts, in characters: 0 = all val, its size = all train.
+
+    sizes and hashes (in [0, 1)) per document; cuttable says which may be cut (plain text). See the
+    module docstring for the rule."""
+    sizes, hashes = np.asarray(sizes, np.int64), np.asarray(hashes, np.float64)
+    cuttable = np.asarray(cuttable, bool)
+    tails = np.maximum(1, np.round(val_fraction * sizes)).astype(np.int64)
+    large = cuttable & (sizes > val_fraction * sizes.sum() / 4) & (tails >= MIN_TAIL_CHARS)
+    val_start = sizes.copy()
+    val_start[large] -= tails[large]
+    small = np.flatnonzero(~large)
+    goal, taken = val_fraction * sizes[small].sum(), 0
+    for i in small[np.argsort(hashes[small], kind="stable")]:
+        if taken + sizes[i] <= goal:
+            val_start[i], taken = 0, taken + sizes[i]
+    if taken >= goal / 2:
+        return val_start
+    # too few small documents to get near the goal whole: cut the largest plain one for the rest,
+    # else (samples only) take one more sample, as long as train keeps one
+    deficit = int(round(goal - taken))
+    rest = [i for i in small if val_start[i] == sizes[i]]
+    if plain := [i for i in rest if cuttable[i] and sizes[i] > deficit]:
+        i = max(plain, key=lambda i: (sizes[i], -hashes[i]))
+        val_start[i] -= max(1, deficit)
+    elif len(rest) > 1 or large.any():
+        i = min(rest, key=lambda i: (sizes[i], hashes[i]))
+        if taken + sizes[i] <= 2 * goal or not (val_start < sizes).any():
+            val_start[i] = 0
+    return val_start
+
+
+def line_cut(text, pos, tail):
+    """Where to cut text near pos, the intended start of a val tail of tail characters: a line boundary
+    if one is close enough to keep the tail between half and twice that long, else pos itself."""
+    after, before = text.find("\n", pos) + 1, text.rfind("\n", 0, pos) + 1
+    if 0 < after < len(text) and after - pos <= tail / 2:
+        return after
+    if 0 < before and pos - before <= tail:
+        return before
+    return min(max(pos, 1), len(text) - 1)
+
+
+# ----------------------------------------------------------------------------- encoding and packing
+
 # the encoder of this process, set by _init_encoder in each worker (or in this process for num_proc=1)
 _encoder = None
 
 
-def _init_encoder(model_path, dtype):
+def _init_encoder(tokenizer_path, dtype, packed):
     global _encoder
-    _encoder = (spm.SentencePieceProcessor(model_file=model_path), dtype)
+    _encoder = (load_tokenizer(tokenizer_path), dtype, packed)
 
 
 def _encode_chunk(chunk):
-    """Encode (prompt, text, is_val) documents; returns {is_val: (ids array, mask bytes, n_docs)}."""
-    sp, dtype = _encoder
-    out = {False: ([], bytearray(), 0), True: ([], bytearray(), 0)}
-    for prompt, text, is_val in chunk:
-        ids, mask, n = out[is_val]
-        # prompt and response are encoded apart so the mask boundary falls exactly between them (with a
-        # tokenizer that adds a dummy prefix, as Llama 2's does, the response starts with a space piece)
-        p = sp.encode(prompt) if prompt else []
-        r = sp.encode(text) if text else []
-        ids.extend(p)
-        ids.extend(r)
-        ids.append(sp.eos_id())
-        mask += b"\x00" * len(p) + b"\x01" * (len(r) + 1)  # the EOS is trained: the model learns to stop
-        out[is_val] = (ids, mask, n + 1)
-    return {k: (np.array(ids, dtype=dtype), mask, n) for k, (ids, mask, n) in out.items()}
+    """Encode (prompt, text, is_val, first, last) units. Flat: ({is_val: ids}, n_units), BOS before a
+    document's first piece and EOS after its last. Packed: [(is_val, BOS prompt response EOS, n_prompt)]."""
+    tok, dtype, packed = _encoder
+    bos = [] if tok.bos_id is None else [tok.bos_id]
+    if packed:
+        out = []
+        for prompt, text, is_val, _, _ in chunk:
+            # encoded apart so the mask boundary falls exactly between them (with a tokenizer that adds a
+            # dummy prefix, as Llama 2's does, the response starts with a space piece)
+            p = tok.encode(prompt) if prompt else []
+            ids = bos + p + (tok.encode(text) if text else []) + [tok.eos_id]
+            out.append((is_val, np.array(ids, dtype), len(bos) + len(p)))
+        return out
+    out = {False: [], True: []}
+    for _, text, is_val, first, last in chunk:
+        ids = out[is_val]
+        ids += bos if first else []
+        ids += tok.encode(text)
+        ids += [tok.eos_id] if last else []
+    return {k: np.array(v, dtype) for k, v in out.items()}, len(chunk)
 
 
-def _chunks(docs, size):
+class _Packer:
+    """Packs one split's samples whole, in order, into rows of block_size tokens, and writes them."""
+
+    def __init__(self, write, block_size, eos_id, dtype, pos_dtype, long_samples):
+        self.write, self.block_size, self.eos_id = write, block_size, eos_id
+        self.dtype, self.pos_dtype, self.long_samples = dtype, pos_dtype, long_samples
+        self.row, self.used = [], 0  # (ids, mask, pos) of the samples in the row being filled
+        self.rows = self.samples = self.truncated = self.skipped = self.pad_tokens = 0
+
+    def add(self, ids, n_prompt):
+        if len(ids) > self.block_size:
+            if self.long_samples == "skip":
+                self.skipped += 1
+                return
+            # keep the prompt and the response's head; no EOS: the response did not end there
+            ids, self.truncated = ids[:self.block_size], self.truncated + 1
+        if self.used + len(ids) > self.block_size:
+            self.flush()
+        mask = np.zeros(len(ids), np.uint8)
+        mask[max(n_prompt, 1):] = 1  # a sample's first token has nothing of its own sample before it
+        self.row.append((ids, mask, np.arange(len(ids))))
+        self.used += len(ids)
+        self.samples += 1
+
+    def flush(self):
+        pad = self.block_size - self.used
+        if pad:  # padding is a sample of its own, never trained
+            self.row.append((np.full(pad, self.eos_id), np.zeros(pad, np.uint8), np.arange(pad)))
+        for part, dtype, parts in zip(("", "_mask", "_pos"), (self.dtype, np.uint8, self.pos_dtype), zip(*self.row)):
+            self.write(part, np.concatenate(parts).astype(dtype))
+        self.rows, self.pad_tokens = self.rows + 1, self.pad_tokens + pad
+        self.row, self.used = [], 0
+
+    def close(self):
+        if self.row:
+            self.flush()
+        # one token past the last row, so the last window's final target exists; mask 0, never trained
+        for part, dtype, value in (("", self.dtype, self.eos_id), ("_mask", np.uint8, 0), ("_pos", self.pos_dtype, 0)):
+            self.write(part, np.array([value], dtype))
+
+
+def _chunks(units, size):
     chunk, n = [], 0
-    for doc in docs:
-        chunk.append(doc)
-        n += len(doc[0] or "") + len(doc[1])
+    for unit in units:
+        chunk.append(unit)
+        n += len(unit[0] or "") + len(unit[1])
         if n >= size:
             yield chunk
             chunk, n = [], 0
@@ -291,7 +573,10 @@ def _imap_bounded(pool, fn, items, window):
         yield from pool.imap(fn, batch)
 
 
-def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_fraction=0.01, num_proc=None):
+# ----------------------------------------------------------------------------- prepare
+
+def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_fraction=0.01, num_proc=None,
+            block_size=None, long_samples="truncate"):
     """Tokenize inputs (paths; None = the stdlib default corpus) into out_dir; returns the meta dict."""
     t0 = time.time()
 
@@ -310,15 +595,19 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
         raise DataPrepError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
     if tokenizer is not None and vocab_size is not None:
         raise DataPrepError("give --vocab_size (to train a tokenizer) or --tokenizer (to use one), not both")
+    if block_size is not None and block_size < 2:
+        raise DataPrepError(f"--block_size must be at least 2, got {block_size}")
+    if long_samples not in ("truncate", "skip"):
+        raise DataPrepError(f"--long_samples must be 'truncate' or 'skip', got {long_samples!r}")
     num_proc = num_proc or min(os.cpu_count() or 1, 8)
     if num_proc < 1:
         raise DataPrepError(f"--num_proc must be at least 1, got {num_proc}")
     if tokenizer is not None:
         tokenizer = os.fspath(tokenizer)
-        sp = load_tokenizer(tokenizer)
-        if sp.eos_id() < 0:
-            raise DataPrepError(f"--tokenizer {tokenizer} has no EOS piece, which separates documents here")
-        dtype_for_vocab(sp.vocab_size())
+        tok = load_tokenizer(tokenizer)
+        if tok.eos_id is None:
+            raise DataPrepError(f"--tokenizer {tokenizer} has no EOS token, which ends every document here")
+        dtype_for_vocab(tok.vocab_size)
     else:
         vocab_size = 4096 if vocab_size is None else vocab_size
         dtype_for_vocab(vocab_size)
@@ -327,127 +616,185 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
     else:
         files, sources = list_files(inputs), inputs
     if not files:
-        raise DataPrepError(f"no text files in {' '.join(inputs)} (looked for .jsonl {' '.join(TEXT_EXTENSIONS)})")
+        raise DataPrepError(f"no text files in {' '.join(inputs)} (looked for {' '.join(RECORD_EXTENSIONS + TEXT_EXTENSIONS)})")
 
-    # first pass: check every document parses and count them, before training or writing anything,
+    # first pass: check every document parses and measure it, before training or writing anything,
     # and set aside the tokenizer's sample: documents picked by hash, at a rate aiming at SAMPLE_CHARS
     total_bytes = sum(os.path.getsize(path) for path, _ in files)
     sample_rate = min(1.0, SAMPLE_CHARS / max(total_bytes, 1))
     skipped = []
-    n_docs = n_val = 0
-    has_mask = False
-    lowest, highest = (1.0, -1), (-1.0, -1)  # (split hash, index) of the docs to move if val or train is empty
-    first = None
+    sizes, hashes, cuttable = array("q"), array("d"), bytearray()  # per document
+    n_units = 0
+    packed = long_text = None
     with tempfile.TemporaryFile("w+", encoding="utf-8", newline="\n") as sample:  # lines end at "\n" only
         sample_chars = 0
-        for i, (key, prompt, text) in enumerate(iter_documents(files, skipped)):
-            u = unit_hash("split:" + key)
-            n_docs, n_val = i + 1, n_val + (u < val_fraction)
-            lowest, highest = min(lowest, (u, i)), max(highest, (u, i))
-            has_mask |= prompt is not None
-            first = (prompt, text) if i == 0 else first
+        for key, prompt, text, first, last in iter_documents(files, skipped):
+            n_units += 1
+            if prompt is not None and not packed:
+                packed = True
+                if block_size is None:
+                    raise DataPrepError(f"{key} is a prompt/response sample: give --block_size N, the length of "
+                                        f"the rows samples are packed into (the training block_size)")
+            if first:
+                sizes.append(0)
+                hashes.append(unit_hash("split:" + key))
+                cuttable.append(prompt is None)
+            elif long_text is None:
+                long_text = key
+            sizes[-1] += len(prompt or "") + len(text)
             if tokenizer is None and sample_chars < SAMPLE_CHARS and (
                     not sample_chars or unit_hash("sample:" + key) < sample_rate):
                 for part in (prompt, text):
                     if part:
                         sample.write(part if part.endswith("\n") else part + "\n")
                         sample_chars += len(part)
-        if n_docs == 0:
+        if not sizes:
             note = f" ({len(skipped)} files skipped as not UTF-8 text)" if skipped else ""
             raise DataPrepError(f"no readable text in {' '.join(inputs or ['the stdlib'])}{note}")
-        if n_docs == 1 and has_mask:
-            raise DataPrepError("the input is a single prompt/response document; give at least 2, "
-                                "so that val gets one of its own")
+        if packed and long_text is not None:
+            raise DataPrepError(f"{long_text} is over {DOC_CHARS:,} characters: too long for one sample of packed "
+                                f"prompt/response data; give it as JSONL records, or prepare it apart")
+        if block_size is not None and not packed:
+            raise DataPrepError("--block_size packs prompt/response samples, and this input has none; "
+                                "leave it out for plain text (a flat token stream)")
         if tokenizer is None:
             sample.seek(0)
             model = train_tokenizer((line.removesuffix("\n") for line in sample), vocab_size)
-            sp = spm.SentencePieceProcessor(model_proto=model)
-    vocab_size = sp.vocab_size()
-    dtype = dtype_for_vocab(vocab_size)
-    force_val = lowest[1] if n_val == 0 else -1
-    force_train = highest[1] if n_val == n_docs else -1
+    packed = bool(packed)
+    sizes = np.frombuffer(sizes, np.int64)
+    val_start = assign_split(sizes, np.frombuffer(hashes, np.float64),
+                             np.frombuffer(cuttable, np.uint8).astype(bool) & (not packed), val_fraction)
+    is_cut = (val_start > 0) & (val_start < sizes)
+    if not (val_start > 0).any() or not (val_start < sizes).any():
+        raise DataPrepError("the input is too small to split into train and val: "
+                            + ("give at least 2 prompt/response samples" if packed else "give more text"))
 
-    def split_docs():
-        """(prompt, text, is_val) for the second pass, in the same order as the first."""
-        if n_docs == 1:
-            head, tail = cut_in_two(first[1], val_fraction)
-            yield None, head, False
-            yield None, tail, True
-            return
-        for i, (key, prompt, text) in enumerate(iter_documents(files)):
-            is_val = (unit_hash("split:" + key) < val_fraction or i == force_val) and i != force_train
-            yield prompt, text, is_val
+    def units():
+        """(prompt, text, is_val, first, last) for the second pass: the pieces of the first, cut by the split."""
+        i = offset = -1
+        for _, prompt, text, first, last in iter_documents(files):
+            if first:
+                i, offset = i + 1, 0
+            c, offset = val_start[i] - offset, offset + len(prompt or "") + len(text)
+            if c <= 0 or c >= len(text):
+                yield prompt, text, bool(c <= 0), first, last
+            else:
+                j = line_cut(text, c, sizes[i] - val_start[i])
+                yield None, text[:j], False, first, True  # each part a document of its own
+                yield None, text[j:], True, True, last
 
     # second pass: encode into a temp folder beside out_dir (os.replace works within one file system)
     out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
     try:
-        model_path = os.path.join(tmp_dir, "tokenizer.model")
         if tokenizer is None:
-            with open(model_path, "wb") as f:
+            with open(os.path.join(tmp_dir, "tokenizer.model"), "wb") as f:
                 f.write(model)
+            tok_names = ["tokenizer.model"]
         else:
-            shutil.copyfile(tokenizer, model_path)
-        names = ["train.bin", "val.bin"] + (["train_mask.bin", "val_mask.bin"] if has_mask else [])
-        counts = {False: [0, 0], True: [0, 0]}  # is_val -> [tokens, docs]
+            tok_names = tok.save(tmp_dir)
+        # the copy encodes, so out_dir's tokenizer is the one that made the ids
+        tok_path = os.path.join(tmp_dir, tok_names[0])
+        tok = load_tokenizer(tok_path)
+        dtype = dtype_for_vocab(tok.vocab_size)
+        pos_dtype = np.uint16 if packed and block_size <= 2**16 else np.uint32
+        names = [f"{s}{p}.bin" for p in (("", "_mask", "_pos") if packed else ("",)) for s in ("train", "val")]
+        digests = {name: hashlib.sha256() for name in names}
         with contextlib.ExitStack() as stack:
-            chunks = _chunks(split_docs(), CHUNK_CHARS)
+            outs = {name: stack.enter_context(open(os.path.join(tmp_dir, name), "wb")) for name in names}
+
+            def write(name, a):
+                outs[name].write(a.tobytes())
+                digests[name].update(a.tobytes())
+
+            chunks = _chunks(units(), CHUNK_CHARS)
             if num_proc == 1:
-                _init_encoder(model_path, dtype)
+                _init_encoder(tok_path, dtype, packed)
                 results = map(_encode_chunk, chunks)
             else:  # the pool before the progress bar, so no tqdm thread is running when it forks
-                pool = stack.enter_context(multiprocessing.Pool(num_proc, _init_encoder, (model_path, dtype)))
+                pool = stack.enter_context(multiprocessing.Pool(num_proc, _init_encoder, (tok_path, dtype, packed)))
                 results = _imap_bounded(pool, _encode_chunk, chunks, 4 * num_proc)
-            outs = {name: stack.enter_context(open(os.path.join(tmp_dir, name), "wb")) for name in names}
-            bar = stack.enter_context(tqdm(total=n_docs + (n_docs == 1), unit="doc", desc="encoding",
+            bar = stack.enter_context(tqdm(total=n_units + int(is_cut.sum()), unit="doc", desc="encoding",
                                            file=sys.stderr, disable=None))
+            packers = {v: _Packer(lambda part, a, s=s: write(f"{s}{part}.bin", a), block_size, tok.eos_id, dtype,
+                                  pos_dtype, long_samples) for v, s in ((False, "train"), (True, "val"))} if packed else {}
             for result in results:
-                for is_val, (ids, mask, n) in result.items():
-                    split = "val" if is_val else "train"
-                    outs[f"{split}.bin"].write(ids.tobytes())
-                    if has_mask:
-                        outs[f"{split}_mask.bin"].write(mask)
-                    counts[is_val][0] += len(ids)
-                    counts[is_val][1] += n
-                    bar.update(n)
+                if packed:
+                    for is_val, ids, n_prompt in result:
+                        packers[is_val].add(ids, n_prompt)
+                    bar.update(len(result))
+                else:
+                    for is_val, ids in result[0].items():
+                        write("val.bin" if is_val else "train.bin", ids)
+                    bar.update(result[1])
+            for split, p in zip(("train", "val"), packers.values()):
+                if p.samples == 0:
+                    raise DataPrepError(f"no {split} sample is left after skipping {p.skipped} longer than --block_size "
+                                        f"{block_size}; raise --block_size or use --long_samples truncate")
+                p.close()
 
+        data = {name: {"bytes": os.path.getsize(os.path.join(tmp_dir, name)), "sha256": digests[name].hexdigest()}
+                for name in names}
+        n_tokens = {s: data[f"{s}.bin"]["bytes"] // np.dtype(dtype).itemsize for s in ("train", "val")}
+        train, val = packers.get(False), packers.get(True)
         meta = {
-            "vocab_size": vocab_size,
+            "vocab_size": tok.vocab_size,
             "dtype": np.dtype(dtype).name,
-            "bos_id": sp.bos_id(),
-            "eos_id": sp.eos_id(),
-            "has_mask": has_mask,
-            "mask_dtype": "uint8",
-            "train_tokens": counts[False][0],
-            "val_tokens": counts[True][0],
-            "train_docs": counts[False][1],
-            "val_docs": counts[True][1],
-            "skipped_files": len(skipped),
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "tokenizer": {**tok.fingerprint(), "files": tok_names},
+            "packed": packed,
+            "block_size": block_size,
+            "has_mask": packed,
+            "mask_dtype": "uint8" if packed else None,
+            "has_pos": packed,
+            "pos_dtype": np.dtype(pos_dtype).name if packed else None,
+            "train_tokens": n_tokens["train"],
+            "val_tokens": n_tokens["val"],
+            "val_share": n_tokens["val"] / (n_tokens["train"] + n_tokens["val"]),
             "val_fraction": val_fraction,
-            "tokenizer": "tokenizer.model",
+            # packed: samples in each split's rows (a skipped one is in neither)
+            "train_docs": train.samples if packed else int((val_start > 0).sum()),
+            "val_docs": val.samples if packed else int((val_start < sizes).sum()),
+            "cut_docs": int(is_cut.sum()),
+            "train_rows": train.rows if packed else None,
+            "val_rows": val.rows if packed else None,
+            "long_samples": long_samples if packed else None,
+            "truncated_samples": train.truncated + val.truncated if packed else 0,
+            "skipped_samples": train.skipped + val.skipped if packed else 0,
+            "pad_tokens": train.pad_tokens + val.pad_tokens if packed else 0,
+            "skipped_files": len(skipped),
             "tokenizer_source": tokenizer or f"trained here: BPE, byte fallback, {sample_chars:,} characters of the input",
             "sources": sources,
+            "data": data,
         }
         with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
 
         # move in: the old meta.json goes first and the new one comes last, so meta.json never describes
-        # token files other than the ones beside it; stale masks of an earlier run go too
+        # token files other than the ones beside it; an earlier run's masks and tokenizer files go too
         os.makedirs(out_dir, exist_ok=True)
-        for name in ("meta.json", "train_mask.bin", "val_mask.bin"):
+        for name in ("meta.json",) + BIN_NAMES + TOKENIZER_NAMES:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out_dir, name))
-        for name in ["tokenizer.model"] + names + ["meta.json"]:
+        for name in tok_names + names + ["meta.json"]:
             os.replace(os.path.join(tmp_dir, name), os.path.join(out_dir, name))
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
     note = f", {len(skipped)} files skipped (not UTF-8 text)" if skipped else ""
-    cut = " (the single document cut in two)" if n_docs == 1 else ""
+    cut = f", {meta['cut_docs']} cut between them" if meta["cut_docs"] else ""
     print(f"wrote {out_dir}: train {meta['train_tokens']:,} tokens in {meta['train_docs']:,} docs, "
-          f"val {meta['val_tokens']:,} tokens in {meta['val_docs']:,} docs{cut}, {meta['dtype']}, "
-          f"vocab {vocab_size:,}{note}, {time.time() - t0:.1f}s")
+          f"val {meta['val_tokens']:,} tokens in {meta['val_docs']:,} docs{cut}; val share {meta['val_share']:.2%} "
+          f"(asked {val_fraction:.2%}), {meta['dtype']}, vocab {tok.vocab_size:,}{note}, {time.time() - t0:.1f}s")
+    if packed:
+        print(f"packed into rows of {block_size}: {meta['train_rows']:,} train, {meta['val_rows']:,} val; "
+              f"{meta['truncated_samples']:,} samples truncated, {meta['skipped_samples']:,} skipped (longer than "
+              f"--block_size), {meta['pad_tokens']:,} padding tokens")
+    if not val_fraction / 2 <= meta["val_share"] <= 2 * val_fraction:
+        print(f"warning: val holds {meta['val_share']:.2%} of the tokens, not near the asked {val_fraction:.2%}: "
+              f"the input has too few documents to split finer; give more, or change --val_fraction")
     return meta
 
 
@@ -455,16 +802,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="data_prep.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", metavar="PATH",
-                        help="text files, folders (recursive) and .jsonl files; default: the Python stdlib")
+                        help="text files, folders (recursive), .jsonl and .json files; default: the Python stdlib")
     parser.add_argument("--out_dir", help="output folder; default data/stdlib without --input")
     vocab = parser.add_mutually_exclusive_group()
     vocab.add_argument("--vocab_size", type=int, help="train a BPE tokenizer of this many pieces (default 4096)")
-    vocab.add_argument("--tokenizer", metavar="FILE.model", help="use this SentencePiece model, e.g. Llama 2's")
-    parser.add_argument("--val_fraction", type=float, default=0.01, help="share of documents for val (default 0.01)")
+    vocab.add_argument("--tokenizer", metavar="PATH", help="use this tokenizer: a SentencePiece .model, an HF "
+                       "tokenizer.json or model folder, or Meta's Llama 3 tokenizer.model")
+    parser.add_argument("--val_fraction", type=float, default=0.01, help="share of the text for val (default 0.01)")
+    parser.add_argument("--block_size", type=int, help="packed prompt/response data: tokens per row (required there)")
+    parser.add_argument("--long_samples", default="truncate", choices=("truncate", "skip"),
+                        help="a sample longer than --block_size is truncated (default) or skipped")
     parser.add_argument("--num_proc", type=int, default=None, help="encoding processes (default min(cpus, 8))")
     args = parser.parse_args(argv)
     try:
-        prepare(args.input, args.out_dir, args.vocab_size, args.tokenizer, args.val_fraction, args.num_proc)
+        prepare(args.input, args.out_dir, args.vocab_size, args.tokenizer, args.val_fraction, args.num_proc,
+                args.block_size, args.long_samples)
     except DataPrepError as e:
         print(f"data_prep.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,6 +1,9 @@
 """
 Generate text from any checkpoint: a training checkpoint (ckpt.pt), a merged student (model.pt),
-a converted quantized model (quantized.pt), or a Meta / Hugging Face directory.
+a converted quantized model (quantized.pt), or a Meta / Hugging Face directory. The tokenizer is
+the one beside the checkpoint (training copies it into out_dir) or in the directory; one given
+with --tokenizer must match the fingerprint the checkpoint records. The prompt starts with BOS
+when the tokenizer has one, as every training document did.
 
 $ python sample.py --init_from=out/tiny_qat/quantized.pt --start="def fibonacci(n):"
 $ python sample.py --init_from=out/tiny_base/ckpt.pt --num_samples=3 --temperature=0.8
@@ -15,16 +18,15 @@ import torch
 # torchao's import logs notes about GPU-only kernels and a torch deprecation: not the user's concern
 logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-import sentencepiece as spm
 import torchao  # noqa: F401  (registers the quantized tensor types quantized.pt holds)
 
 from checkpoint import load_checkpoint
+from data_prep import load_tokenizer, tokenizer_mismatch
 from model import Transformer, merge_lora
 
 # -----------------------------------------------------------------------------
 init_from = "out/tiny_qat/quantized.pt"  # a checkpoint file or a Meta / HF directory
-tokenizer = ""  # a SentencePiece model; '' looks beside init_from, then in data_dir
-data_dir = "data/stdlib"
+tokenizer = ""  # a tokenizer file or folder; '' = the one beside the checkpoint, or in the HF / Meta directory
 start = "\n"  # the prompt; 'FILE:path' reads it from a file
 num_samples = 2
 max_new_tokens = 200
@@ -39,6 +41,26 @@ from configurator import configure
 configure(globals())
 
 torch.manual_seed(seed)
+# the tokenizer first: a wrong one would print confident garbage after a long load
+ckpt_dir = init_from if os.path.isdir(init_from) else os.path.dirname(init_from) or "."
+try:
+    tok = load_tokenizer(tokenizer or ckpt_dir)
+except ValueError as e:
+    raise SystemExit(f"error: {e}" + ("" if tokenizer else "; pass --tokenizer=PATH"))
+ckpt_file = os.path.join(init_from, "ckpt.pt") if os.path.isdir(init_from) else init_from
+if os.path.isfile(ckpt_file):  # training checkpoints record the fingerprint of their data's tokenizer
+    try:
+        ckpt = torch.load(ckpt_file, mmap=True, weights_only=True, map_location="cpu")
+    except Exception:  # not a checkpoint torch can read: load_checkpoint below says why
+        ckpt = None
+    recorded = ckpt.get("tokenizer") if isinstance(ckpt, dict) else None
+    del ckpt
+else:  # an HF or Meta directory: its own tokenizer, if it has one
+    has_own = any(os.path.isfile(os.path.join(init_from, n)) for n in ("tokenizer.json", "tokenizer.model"))
+    recorded = load_tokenizer(init_from).fingerprint() if tokenizer and has_own else None
+if recorded and (diff := tokenizer_mismatch(recorded, tok.fingerprint())):
+    raise SystemExit(f"error: tokenizer {tokenizer or ckpt_dir} is not the one {init_from} was trained with ({diff}); "
+                     f"leave --tokenizer out to use the one beside the checkpoint")
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 try:
     args, state = load_checkpoint(init_from)
@@ -58,23 +80,32 @@ model.load_state_dict(state, assign=True)
 model.reset_buffers(device)
 model.to(device).eval()
 quantized = any(type(p).__module__.startswith("torchao") for p in model.parameters())
+if tok.vocab_size > args.vocab_size:
+    raise SystemExit(f"error: the tokenizer has {tok.vocab_size} tokens but {init_from} only {args.vocab_size}; "
+                     f"it belongs to another model")
 
-candidates = [tokenizer] if tokenizer else [
-    os.path.join(init_from if os.path.isdir(init_from) else os.path.dirname(init_from), "tokenizer.model"),
-    os.path.join(data_dir, "tokenizer.model")]
-tok_path = next((p for p in candidates if os.path.isfile(p)), None)
-if tok_path is None:
-    raise SystemExit(f"error: no tokenizer.model found in {candidates}; pass --tokenizer=PATH")
-sp = spm.SentencePieceProcessor(model_file=tok_path)
 if start.startswith("FILE:"):
     with open(start[5:], encoding="utf-8") as f:
         start = f.read()
-ids = sp.encode(start) or [sp.bos_id()]
+ids = ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(start)  # documents were trained from BOS
+if not ids:
+    raise SystemExit("error: --start is empty and the tokenizer has no BOS to start from; give a prompt")
 x = torch.tensor([ids], dtype=torch.long, device=device)
 print(f"{init_from}: {'quantized' if quantized else 'full precision'}, {sum(p.numel() for p in model.parameters()):,} parameters")
-for _ in range(num_samples):
+
+
+def timed_generate(n):
     t0 = time.perf_counter()
-    y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, eos_id=sp.eos_id())
-    dt = time.perf_counter() - t0
-    print(sp.decode(y[0].tolist()))
-    print(f"---------------  {y.shape[1] - x.shape[1]} tokens in {dt:.1f} s")
+    y = model.generate(x, n, temperature=temperature, top_k=top_k, eos_id=tok.eos_id)
+    return y, time.perf_counter() - t0
+
+
+# time to the first token (prefill and one step; warms up too), subtracted below, so tokens/s
+# measures generation alone
+_, t_first = timed_generate(1)
+for _ in range(num_samples):
+    y, dt = timed_generate(max_new_tokens)
+    n_new = y.shape[1] - x.shape[1]
+    print(tok.decode(y[0, int(tok.bos_id is not None):].tolist()))
+    rate = f", {(n_new - 1) / max(dt - t_first, 1e-9):.1f} tokens/s after the first (prefill excluded)" if n_new > 1 else ""
+    print(f"---------------  {n_new} tokens in {dt:.1f} s{rate}")

@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import random
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402
-from data_prep import DataPrepError, dtype_for_vocab, iter_documents, list_files, prepare  # noqa: E402
+from data_prep import DataPrepError, dtype_for_vocab, iter_documents, list_files, load_tokenizer, prepare  # noqa: E402
 
 VOCAB = 350  # small enough for a few KB of text, so sentencepiece trains in milliseconds
 WORDS = ("the quick brown fox jumps over a lazy dog while alpha beta gamma delta return import "
@@ -62,11 +63,13 @@ def load(out):
     return meta, read
 
 
-def split_docs(ids, eos_id):
-    """The documents of a token stream, each without its EOS."""
+def split_docs(ids, eos_id, bos_id=1):
+    """The documents of a flat token stream, each without its BOS and EOS (which it must have)."""
     ends = np.flatnonzero(ids == eos_id)
-    assert len(ids) == 0 or ends[-1] == len(ids) - 1, "the stream must end with EOS"
-    return [doc[:-1] for doc in np.split(ids, ends + 1)[:-1]]
+    assert len(ids) and ends[-1] == len(ids) - 1, "the stream must end with EOS"
+    docs = np.split(ids, ends + 1)[:-1]
+    assert all(d[0] == bos_id and bos_id not in d[1:-1] for d in docs), "every document starts with BOS"
+    return [d[1:-1] for d in docs]
 
 
 @pytest.fixture
@@ -75,11 +78,19 @@ def corpus(tmp_path):
     return root, write_corpus(root)
 
 
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    """A tokenizer trained once, so tests that only split or pack skip training their own."""
+    root = tmp_path_factory.mktemp("base")
+    write_corpus(root / "corpus", n_files=20)
+    prepare([root / "corpus"], root / "out", vocab_size=VOCAB, num_proc=1)
+    return root / "out" / "tokenizer.model"
+
+
 def test_dtype_for_vocab():
     assert dtype_for_vocab(4096) == np.uint16
     assert dtype_for_vocab(65536) == np.uint16  # ids 0..65535 still fit
     assert dtype_for_vocab(65537) == np.uint32
-    assert dtype_for_vocab(70000) == np.uint32
     with pytest.raises(DataPrepError, match="uint32"):
         dtype_for_vocab(2**32 + 1)
 
@@ -90,32 +101,78 @@ def test_counts_match_files(corpus, tmp_path):
     meta = prepare([root], out, vocab_size=VOCAB, num_proc=1)
     assert meta == json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == VOCAB and meta["dtype"] == "uint16"
-    assert (meta["bos_id"], meta["eos_id"], meta["has_mask"]) == (1, 2, False)
-    assert (out / "train.bin").stat().st_size == 2 * meta["train_tokens"] > 0
-    assert (out / "val.bin").stat().st_size == 2 * meta["val_tokens"] > 0
-    assert meta["train_docs"] + meta["val_docs"] == len(texts) and meta["val_docs"] >= 1
+    assert (meta["bos_id"], meta["eos_id"], meta["has_mask"], meta["packed"]) == (1, 2, False, False)
+    assert meta["tokenizer"]["kind"] == "sentencepiece" and meta["tokenizer"]["files"] == ["tokenizer.model"]
+    for split in ("train", "val"):
+        data = (out / f"{split}.bin").read_bytes()
+        assert len(data) == 2 * meta[f"{split}_tokens"] > 0
+        assert meta["data"][f"{split}.bin"] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert meta["val_share"] == meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"])
+    assert meta["train_docs"] + meta["val_docs"] - meta["cut_docs"] == len(texts) and meta["val_docs"] >= 1
     assert meta["skipped_files"] == 1  # image.txt
-    assert not (out / "train_mask.bin").exists() and not (out / "val_mask.bin").exists()
-    assert spm.SentencePieceProcessor(model_file=str(out / meta["tokenizer"])).vocab_size() == VOCAB
+    assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.model", "train.bin", "val.bin"]
+    assert load_tokenizer(out).fingerprint()["sha256"] == meta["tokenizer"]["sha256"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp folder left
 
 
-def test_documents_decode_exactly_and_stay_whole(corpus, tmp_path):
-    root, texts = corpus
+def test_documents_have_bos_and_eos_and_stay_whole(tmp_path):
+    texts = write_corpus(tmp_path / "corpus", n_files=60)  # many small files: none is cut
     out = tmp_path / "out"
-    meta = prepare([root], out, vocab_size=VOCAB, val_fraction=0.3, num_proc=1)
+    meta = prepare([tmp_path / "corpus"], out, vocab_size=VOCAB, val_fraction=0.1, num_proc=1)
+    assert meta["cut_docs"] == 0
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
     _, read = load(out)
     decoded = {}
     for split in ("train", "val"):
         ids = read(f"{split}.bin", np.uint16)
         assert ids.max() < VOCAB
-        decoded[split] = [sp.decode(d.tolist()) for d in split_docs(ids, meta["eos_id"])]
-    # the first document of train is an input file exactly: identity normalization, byte fallback
-    assert decoded["train"][0] in texts.values()
-    # every file is one whole document, in exactly one split
+        decoded[split] = [sp.decode(d.tolist()) for d in split_docs(ids, meta["eos_id"], meta["bos_id"])]
+    assert decoded["train"][0] in texts.values()  # identity normalization, byte fallback: the file exactly
     assert sorted(decoded["train"] + decoded["val"]) == sorted(texts.values())
     assert len(decoded["val"]) == meta["val_docs"] >= 1
+
+
+def write_shape(root, shape, rng):
+    """Inputs of one corpus shape; returns (inputs, prepare kwargs)."""
+    root.mkdir()
+    if shape == "one_small_file":
+        (root / "input.txt").write_text("".join(sentence(rng) + "\n" for _ in range(60)))
+    elif shape == "one_large_file":  # read in many pieces, as a 5 MB input.txt is with the real DOC_CHARS
+        (root / "input.txt").write_text("".join(sentence(rng) + "\n" for _ in range(2000)))
+    elif shape == "few_large_files":
+        for i, n in enumerate((300, 900, 1500, 3)):
+            (root / f"f{i}.txt").write_text("".join(sentence(rng) + "\n" for _ in range(n)))
+    elif shape == "many_small_files":
+        for i in range(300):
+            (root / f"f{i}.txt").write_text("".join(sentence(rng) + "\n" for _ in range(rng.randint(1, 6))))
+    elif shape == "jsonl_text":
+        (root / "t.jsonl").write_text("".join(json.dumps({"text": sentence(rng, rng.randint(3, 40))}) + "\n"
+                                              for _ in range(400)))
+    elif shape == "jsonl_sft":
+        write_jsonl(root / "sft.jsonl", n=400, plain_every=0)
+        return [root / "sft.jsonl"], dict(block_size=64)
+    return [root], {}
+
+
+@pytest.mark.parametrize("val_fraction", [0.01, 0.05, 0.2])
+@pytest.mark.parametrize("shape", ["one_small_file", "one_large_file", "few_large_files", "many_small_files",
+                                   "jsonl_text", "jsonl_sft"])
+def test_val_share_holds_for_every_shape(shape, val_fraction, sp_model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(data_prep, "DOC_CHARS", 2000)
+    inputs, kw = write_shape(tmp_path / "in", shape, random.Random(shape))
+    meta = prepare(inputs, tmp_path / "out", tokenizer=sp_model, val_fraction=val_fraction, num_proc=1, **kw)
+    assert val_fraction / 2 <= meta["val_share"] <= 2 * val_fraction, meta
+    assert meta["val_docs"] >= 1 and meta["train_docs"] >= 1
+    assert f"val share {meta['val_share']:.2%} (asked {val_fraction:.2%})" in capsys.readouterr().out
+    if shape.startswith("one"):
+        assert meta["cut_docs"] == 1
+
+
+def test_few_samples_warn_rather_than_empty_val(sp_model, tmp_path, capsys):
+    write_jsonl(tmp_path / "sft.jsonl", n=3, plain_every=0)
+    meta = prepare([tmp_path / "sft.jsonl"], tmp_path / "out", tokenizer=sp_model, block_size=64, num_proc=1)
+    assert (meta["train_docs"], meta["val_docs"]) == (2, 1)
+    assert "warning: val holds" in capsys.readouterr().out
 
 
 def test_two_runs_are_identical(corpus, tmp_path):
@@ -133,103 +190,104 @@ def test_two_runs_are_identical(corpus, tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
-def test_num_proc_2_matches_num_proc_1(corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_num_proc_2_matches_num_proc_1(packed, corpus, tmp_path, monkeypatch):
     root, _ = corpus
-    write_jsonl(root / "data.jsonl")
+    inputs = [tmp_path / "sft.jsonl"] if packed else [root]
+    write_jsonl(tmp_path / "sft.jsonl", n=80)
+    kw = dict(block_size=48) if packed else {}
     monkeypatch.setattr(data_prep, "CHUNK_CHARS", 300)  # many chunks, so both workers get several
-    prepare([root], tmp_path / "one", vocab_size=VOCAB, num_proc=1)
-    prepare([root], tmp_path / "two", vocab_size=VOCAB, num_proc=2)
+    prepare(inputs, tmp_path / "one", vocab_size=VOCAB, num_proc=1, **kw)
+    prepare(inputs, tmp_path / "two", vocab_size=VOCAB, num_proc=2, **kw)
     names = sorted(os.listdir(tmp_path / "one"))
-    assert "train_mask.bin" in names
+    assert ("train_pos.bin" in names) == packed
     for name in names:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
 
-def test_prompt_response_mask(tmp_path):
-    records = write_jsonl(tmp_path / "sft.jsonl", n=60)
+def write_sft(path, n=60, seed=3):
+    """prompt/response samples of very different lengths; returns the records."""
+    rng = random.Random(seed)
+    records = [{"prompt": f"Q{i}: " + sentence(rng, rng.randint(1, 8)) + "\nA:",
+                "response": " " + sentence(rng, rng.randint(1, 25)), "id": i} for i in range(n)]  # "id": ignored
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+@pytest.mark.parametrize("long_samples", ["truncate", "skip"])
+def test_packed_rows(long_samples, sp_model, tmp_path, capsys):
+    N = 80
+    records = write_sft(tmp_path / "sft.jsonl")
     out = tmp_path / "out"
-    meta = prepare([tmp_path / "sft.jsonl"], out, vocab_size=VOCAB, val_fraction=0.2, num_proc=1)
-    assert meta["has_mask"] and meta["train_docs"] + meta["val_docs"] == len(records)
-    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    meta = prepare([tmp_path / "sft.jsonl"], out, tokenizer=sp_model, val_fraction=0.2, num_proc=1,
+                   block_size=N, long_samples=long_samples)
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    lengths = [2 + len(sp.encode(r["prompt"])) + len(sp.encode(r["response"])) for r in records]
+    n_long = sum(n > N for n in lengths)
+    assert 0 < n_long < len(records) // 2
+    assert meta["packed"] and meta["has_mask"] and meta["has_pos"] and meta["block_size"] == N
+    assert (meta["truncated_samples"], meta["skipped_samples"]) == ((n_long, 0) if long_samples == "truncate" else (0, n_long))
+    assert f"{n_long:,} {'samples truncated' if long_samples == 'truncate' else 'skipped'}" in capsys.readouterr().out
     _, read = load(out)
-    seen = []
+    texts, n_pad = [], 0
     for split in ("train", "val"):
-        ids, mask = read(f"{split}.bin", np.uint16), read(f"{split}_mask.bin", np.uint8)
-        assert len(mask) == len(ids) == meta[f"{split}_tokens"]
-        start = 0
-        for doc in split_docs(ids, meta["eos_id"]):
-            m = mask[start:start + len(doc) + 1]
-            start += len(doc) + 1
-            n_prompt = int((m == 0).sum())
-            assert m[-1] == 1 and (m[:n_prompt] == 0).all() and (m[n_prompt:] == 1).all()
-            prompt, response = sp.decode(doc[:n_prompt].tolist()), sp.decode(doc[n_prompt:].tolist())
-            assert sp.decode(doc.tolist()) == prompt + response  # the model sees the text as written
-            # mask 0 covers exactly the prompt's tokens; plain "text" records are trained on throughout
-            seen.append({"prompt": prompt, "response": response} if n_prompt else {"text": response})
-            if n_prompt:
-                assert n_prompt == len(sp.encode(prompt))
-    key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
-    assert sorted(map(key, seen)) == sorted(map(key, records))
+        ids, mask, pos = read(f"{split}.bin", np.uint16), read(f"{split}_mask.bin", np.uint8), read(f"{split}_pos.bin", np.uint16)
+        rows = meta[f"{split}_rows"]
+        assert len(ids) == len(mask) == len(pos) == rows * N + 1 == meta[f"{split}_tokens"]
+        assert (ids[-1], mask[-1], pos[-1]) == (2, 0, 0)  # the extra token, so the last window is whole
+        for r in range(rows):
+            window = ids[r * N:r * N + N + 1]  # how the trainers read it
+            assert len(window) == N + 1 and pos[r * N] == 0  # every row starts a sample: none is split
+            starts = list(np.flatnonzero(pos[r * N:(r + 1) * N] == 0)) + [N]
+            for a, b in zip(starts, starts[1:]):
+                t, m, p = ids[r * N + a:r * N + b], mask[r * N + a:r * N + b], pos[r * N + a:r * N + b]
+                assert (p == np.arange(b - a)).all()
+                if t[0] != 1:  # padding: eos, never trained
+                    assert (t == 2).all() and not m.any()
+                    n_pad += len(t)
+                    continue
+                n_prompt = int((m == 0).sum())
+                assert (m[:n_prompt] == 0).all() and (m[n_prompt:] == 1).all()  # BOS and prompt 0, response 1
+                full = t[-1] == 2
+                assert full or len(t) == N  # a sample without its EOS was truncated to a whole row
+                texts.append((sp.decode(t[1:n_prompt].tolist()), sp.decode(t[n_prompt:len(t) - full].tolist()), full))
+    assert n_pad == meta["pad_tokens"]
+    kept = [(r["prompt"], r["response"]) for r, n in zip(records, lengths) if n <= N]
+    assert sorted((p, q) for p, q, full in texts if full) == sorted(kept)
+    truncated = [(p, q) for p, q, full in texts if not full]
+    assert len(truncated) == meta["truncated_samples"]
+    for p, q in truncated:  # the prompt whole, the response's head
+        r = next(r for r in records if r["prompt"] == p)
+        assert r["response"].startswith(q)  # its EOS at least is gone
 
 
-def test_text_jsonl(tmp_path):
-    records = write_jsonl(tmp_path / "t.jsonl", n=30, plain_every=1)
-    out = tmp_path / "out"
-    meta = prepare([tmp_path / "t.jsonl"], out, vocab_size=VOCAB, num_proc=1)
-    assert not meta["has_mask"] and meta["train_docs"] + meta["val_docs"] == 30
-    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
-    first = split_docs(np.fromfile(out / "train.bin", dtype=np.uint16), meta["eos_id"])[0]
-    assert sp.decode(first.tolist()) in [r["text"] for r in records]
+def test_json_files_are_records(sp_model, tmp_path):
+    records = [{"text": f"document {i} " + "words " * i} for i in range(30)]
+    (tmp_path / "array.json").write_text(json.dumps(records, indent=1))  # an array across many lines
+    (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for name in ("array.json", "lines.json"):
+        meta = prepare([tmp_path / name], tmp_path / name.split(".")[0], tokenizer=sp_model, num_proc=1)
+        assert meta["train_docs"] + meta["val_docs"] - meta["cut_docs"] == 30 and not meta["packed"]
+        ids = np.fromfile(tmp_path / name.split(".")[0] / "train.bin", dtype=np.uint16)
+        sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+        assert "{" not in sp.decode(ids.tolist()) and sp.decode(split_docs(ids, 2)[0].tolist()).startswith("document")
 
 
-def test_existing_tokenizer(corpus, tmp_path):
-    root, _ = corpus
-    prepare([root], tmp_path / "base", vocab_size=VOCAB, num_proc=1)
-    model = tmp_path / "base" / "tokenizer.model"
-    records = write_jsonl(tmp_path / "sft.jsonl", n=20)
-    out = tmp_path / "sft"
-    meta = prepare([tmp_path / "sft.jsonl"], out, tokenizer=model, num_proc=1)
-    assert (out / "tokenizer.model").read_bytes() == model.read_bytes()
-    assert meta["tokenizer_source"] == str(model) and meta["vocab_size"] == VOCAB and meta["has_mask"]
-    sp = spm.SentencePieceProcessor(model_file=str(model))
-    ids = np.fromfile(out / "train.bin", dtype=np.uint16)
-    texts = [r.get("text") or r["prompt"] + r["response"] for r in records]
-    assert sp.decode(split_docs(ids, meta["eos_id"])[0].tolist()) in texts
-
-
-def test_val_gets_a_document_and_train_keeps_one(tmp_path):
-    write_corpus(tmp_path / "two", n_files=2)
-    for fraction in (0.001, 0.999):  # hashes alone would put both files in train, then both in val
-        meta = prepare([tmp_path / "two"], tmp_path / f"out{fraction}", vocab_size=300,
-                       val_fraction=fraction, num_proc=1)
-        assert (meta["train_docs"], meta["val_docs"]) == (1, 1)
-
-
-def test_single_document_is_cut_in_two(corpus, tmp_path):
-    root, texts = corpus
-    out = tmp_path / "out"
-    meta = prepare([root / "doc1.txt"], out, vocab_size=300, val_fraction=0.2, num_proc=1)
-    assert (meta["train_docs"], meta["val_docs"]) == (1, 1)
-    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
-    train, val = (sp.decode(split_docs(np.fromfile(out / f"{s}.bin", dtype=np.uint16), 2)[0].tolist())
-                  for s in ("train", "val"))
-    assert train + val == texts["doc1.txt"] and train.endswith("\n") and len(val) < len(train)
-
-
-def test_long_file_is_cut_at_line_boundaries(tmp_path, monkeypatch):
+def test_long_file_is_read_in_pieces_at_line_boundaries(tmp_path, monkeypatch):
     monkeypatch.setattr(data_prep, "DOC_CHARS", 100)
     text = "".join(f"line {i} of a long file\n" for i in range(50))
     (tmp_path / "long.txt").write_text(text)
     docs = list(iter_documents(list_files([tmp_path / "long.txt"])))
-    assert len(docs) > 5 and "".join(t for _, _, t in docs) == text
-    assert all(t.endswith("\n") for _, _, t in docs) and len({k for k, _, _ in docs}) == len(docs)
+    assert len(docs) > 5 and "".join(t for _, _, t, _, _ in docs) == text
+    assert all(t.endswith("\n") for _, _, t, _, _ in docs) and len({k for k, *_ in docs}) == 1
+    assert [(f, last) for *_, f, last in docs] == [(True, False)] + [(False, False)] * (len(docs) - 2) + [(False, True)]
 
 
 def test_failed_run_keeps_old_outputs_and_a_new_one_replaces_them(corpus, tmp_path):
     root, _ = corpus
     out = tmp_path / "out"
     write_jsonl(tmp_path / "sft.jsonl")
-    prepare([tmp_path / "sft.jsonl"], out, vocab_size=VOCAB, num_proc=1)
+    prepare([tmp_path / "sft.jsonl"], out, vocab_size=VOCAB, num_proc=1, block_size=64)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": \n')
     with pytest.raises(DataPrepError):
@@ -245,40 +303,61 @@ def test_failed_run_keeps_old_outputs_and_a_new_one_replaces_them(corpus, tmp_pa
     ("empty_file", r"no readable text in"),
     ("binary_only", r"no readable text in .*\(1 files skipped"),
     ("malformed_jsonl", r"bad\.jsonl line 3 is malformed JSON"),
-    ("jsonl_fields", r'bad\.jsonl line 2 has neither a "text" string nor "prompt" and "response"'),
+    ("jsonl_fields", r'bad\.jsonl line 2 has keys prompt: a record needs a "text" string, or "prompt" and "response"'),
+    ("both_shapes", r'bad\.jsonl line 1 has keys prompt, response, text: .* not both'),
+    ("alpaca", r'bad\.jsonl line 1 has keys input, instruction, output'),
+    ("json_neither", r"bad\.json line 1 is neither a JSON array of records nor JSON lines"),
+    ("json_bad_array", r"bad\.json starts like a JSON array of records but does not parse"),
+    ("sft_without_block_size", r"sft\.jsonl:1 is a prompt/response sample: give --block_size N"),
+    ("block_size_on_text", r"--block_size packs prompt/response samples, and this input has none"),
+    ("long_text_in_sft", r"long\.txt is over 100 characters: too long for one sample"),
     ("vocab_too_large", r"--vocab_size 5000 is too large for this corpus, which supports at most \d+"),
     ("vocab_too_small", r"--vocab_size 100 is too small"),
-    ("tokenizer_missing", r"--tokenizer .*none\.model does not exist"),
-    ("tokenizer_not_a_model", r"--tokenizer .*fake\.model is not a SentencePiece model"),
+    ("tokenizer_missing", r"tokenizer .*none\.model does not exist"),
+    ("tokenizer_not_a_model", r"tokenizer .*fake\.model is none of a SentencePiece model"),
     ("both_vocab_and_tokenizer", r"not both"),
     ("val_fraction", r"--val_fraction must be between 0 and 1"),
+    ("long_samples", r"--long_samples must be 'truncate' or 'skip'"),
 ])
-def test_errors(case, message, corpus, tmp_path):
+def test_errors(case, message, corpus, tmp_path, monkeypatch):
     root, _ = corpus
     kw = dict(vocab_size=VOCAB)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "fake.model").write_text("not a model\n")
+    write_jsonl(tmp_path / "sft.jsonl", plain_every=0)
     bad = tmp_path / "bad.jsonl"
     inputs = {
         "missing": [root, tmp_path / "nowhere"],
         "empty_folder": [tmp_path / "empty"],
         "empty_file": [tmp_path / "empty.txt"],
         "binary_only": [root / "image.txt"],
-        "malformed_jsonl": [bad],
-        "jsonl_fields": [bad],
-    }.get(case, [root])
-    if case == "malformed_jsonl":
-        bad.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c",,}\n')
-    if case == "jsonl_fields":
-        bad.write_text('{"text": "a"}\n{"prompt": "only a prompt"}\n')
+        "json_neither": [tmp_path / "bad.json"],
+        "json_bad_array": [tmp_path / "bad.json"],
+        "sft_without_block_size": [tmp_path / "sft.jsonl"],
+        "long_text_in_sft": [tmp_path / "sft.jsonl", tmp_path / "long.txt"],
+    }.get(case, [bad] if case in ("malformed_jsonl", "jsonl_fields", "both_shapes", "alpaca") else [root])
+    bad.write_text({
+        "malformed_jsonl": '{"text": "a"}\n{"text": "b"}\n{"text": "c",,}\n',
+        "jsonl_fields": '{"text": "a"}\n{"prompt": "only a prompt"}\n',
+        "both_shapes": '{"text": "a", "prompt": "b", "response": "c"}\n',
+        "alpaca": '{"instruction": "a", "input": "", "output": "c"}\n',
+    }.get(case, ""))
+    (tmp_path / "bad.json").write_text('{\n  "text": "pretty-printed single object"\n}\n' if case == "json_neither"
+                                       else '[{"text": "a"},\n')
+    if case == "long_text_in_sft":
+        monkeypatch.setattr(data_prep, "DOC_CHARS", 100)
+        (tmp_path / "long.txt").write_text("a line of text\n" * 30)
     kw.update({
+        "block_size_on_text": dict(block_size=64),
+        "long_text_in_sft": dict(block_size=64),
         "vocab_too_large": dict(vocab_size=5000),
         "vocab_too_small": dict(vocab_size=100),
         "tokenizer_missing": dict(vocab_size=None, tokenizer=tmp_path / "none.model"),
         "tokenizer_not_a_model": dict(vocab_size=None, tokenizer=tmp_path / "fake.model"),
         "both_vocab_and_tokenizer": dict(tokenizer=tmp_path / "fake.model"),
         "val_fraction": dict(val_fraction=1.0),
+        "long_samples": dict(long_samples="drop"),
     }.get(case, {}))
     out = tmp_path / "out"
     with pytest.raises(DataPrepError, match=message):

@@ -1,0 +1,184 @@
+"""Each tokenizer kind built tiny and offline, prepared data decoded back, and the loader's refusals."""
+import base64
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data_prep import DataPrepError, load_tokenizer, prepare, tokenizer_mismatch, train_tokenizer  # noqa: E402
+
+TEXTS = {
+    "a.txt": "def f(x):\n    return x + 1  # done\n" * 20,
+    "b.md": "# Café naïve résumé\n\nThe quick brown fox, 42 times. ✓\n" * 15,
+    "c.txt": "tabs\tand\r\nwindows lines <|begin_of_text|> </s> <s> literal specials\n" * 10,
+    "d.txt": "one long line without a newline at its end " * 30,
+}
+LLAMA3_MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"er", b"an", b"re", b"on", b" a", b"  ", b"    ",
+                 b"de", b"def", b"re", b"ur", b"rn", b"urn", b"ret", b"return"]
+
+
+def write_corpus(root):
+    root.mkdir()
+    for name, text in TEXTS.items():
+        (root / name).write_text(text, encoding="utf-8", newline="")
+    return root
+
+
+def write_tiktoken(path, merges=LLAMA3_MERGES, n_pairs=0):
+    """A tiktoken BPE file as Meta ships Llama 3's: the 256 bytes, then merges (or all byte pairs
+    up to n_pairs), one "base64 rank" per line."""
+    tokens = [bytes([b]) for b in range(256)]
+    tokens += list(dict.fromkeys(m for m in merges if len(m) > 1))
+    tokens += [bytes([a, b]) for a in range(256) for b in range(256)][:n_pairs]
+    tokens = list(dict.fromkeys(tokens))
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
+    return path, len(tokens)
+
+
+def write_sentencepiece(path, text=None, vocab_size=340):
+    lines = (text or "".join(TEXTS.values())).splitlines()
+    path.write_bytes(train_tokenizer(lines, vocab_size))
+    return path
+
+
+def write_hf(folder, config=None, template=False):
+    """A byte-level BPE tokenizer.json with <s> and </s>, and a tokenizer_config.json naming them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TEXTS.values(), trainer)
+    if template:  # BOS added by the tokenizer itself, as Llama 3's tokenizer.json does
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True} if config is None else config
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def documents(ids, bos_id, eos_id):
+    """A flat stream cut at each EOS; every document starts with BOS when the tokenizer has one."""
+    ends = np.flatnonzero(ids == eos_id)
+    assert len(ids) and ends[-1] == len(ids) - 1, "a stream ends with EOS"
+    docs = [d[:-1].tolist() for d in np.split(ids, ends + 1)[:-1]]
+    if bos_id is not None:
+        assert all(d[:1] == [bos_id] and bos_id not in d[1:] for d in docs)
+        docs = [d[1:] for d in docs]
+    return docs
+
+
+def decode_documents(out, tok):
+    """The input texts read back from train.bin and val.bin: whole documents, and heads joined to tails."""
+    meta = json.loads((out / "meta.json").read_text())
+    docs = {s: [tok.decode(d) for d in documents(np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]),
+                                                 tok.bos_id, tok.eos_id)] for s in ("train", "val")}
+    whole = [d for s in docs.values() for d in s if d in TEXTS.values()]
+    heads = [d for d in docs["train"] if d not in TEXTS.values()]
+    tails = [d for d in docs["val"] if d not in TEXTS.values()]
+    assert len(heads) == len(tails) == meta["cut_docs"]
+    return whole + [h + t for h, t in zip(heads, tails)]
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf", "tiktoken"])
+def test_round_trip_and_special_ids(kind, tmp_path):
+    if kind == "sentencepiece":
+        path, ids = write_sentencepiece(tmp_path / "sp.model"), (1, 2)
+    elif kind == "hf":
+        path = write_hf(tmp_path / "hf")
+        vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+        ids = (vocab["<s>"], vocab["</s>"])
+    else:
+        path, n = write_tiktoken(tmp_path / "tokenizer.model")
+        ids = (n, n + 1)  # <|begin_of_text|>, <|end_of_text|>: 128000 and 128001 for Llama 3's 128000 pieces
+    tok = load_tokenizer(path)
+    assert tok.kind == kind and (tok.bos_id, tok.eos_id) == ids
+    out = tmp_path / "out"
+    meta = prepare([write_corpus(tmp_path / "corpus")], out, tokenizer=path, val_fraction=0.2, num_proc=1)
+    assert (meta["bos_id"], meta["eos_id"]) == ids and meta["dtype"] == "uint16"
+    assert sorted(decode_documents(out, tok)) == sorted(TEXTS.values())
+    # out_dir's copy is the same tokenizer, found by the folder alone
+    fp = load_tokenizer(out).fingerprint()
+    assert {k: v for k, v in meta["tokenizer"].items() if k != "files"} == fp == tok.fingerprint()
+    assert meta["tokenizer"]["files"] == (["tokenizer.json", "tokenizer_config.json"] if kind == "hf"
+                                          else ["tokenizer.model"])
+
+
+def test_llama3_specials_and_literal_special_text(tmp_path):
+    path, n = write_tiktoken(tmp_path / "tokenizer.model")
+    tok = load_tokenizer(path)
+    assert tok.vocab_size == n + 256
+    assert tok.encode("<|eot_id|>") != [n + 9] and tok.decode(tok.encode("<|eot_id|>")) == "<|eot_id|>"
+    assert tok.decode([n + 9]) == "<|eot_id|>" and tok.decode([n + 255]) == "<|reserved_special_token_246|>"
+    # Meta's split keeps digits in threes and a space with the word after it
+    assert [tok.decode([i]) for i in tok.encode("12345 the")][:2] == ["1", "2"]  # no digit merges in this vocabulary
+    assert tok.decode(tok.encode(" " * 30_000 + "x")) == " " * 30_000 + "x"  # long runs are split, as Meta's
+
+
+def test_hf_bos_semantics(tmp_path):
+    # add_bos_token false: no BOS, whatever bos_token says
+    tok = load_tokenizer(write_hf(tmp_path / "off", {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}))
+    assert tok.bos_id is None and tok.eos_id is not None
+    # not set: the tokenizer's own post-processor decides
+    assert load_tokenizer(write_hf(tmp_path / "tmpl", {"bos_token": "<s>", "eos_token": "</s>"}, template=True)).bos_id == 1
+    assert load_tokenizer(write_hf(tmp_path / "none", {"bos_token": "<s>", "eos_token": "</s>"})).bos_id is None
+    # special_tokens_map.json alone names them too, and is copied along
+    folder = write_hf(tmp_path / "map", {})
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    tok = load_tokenizer(folder / "tokenizer.json")
+    assert (tok.bos_id, tok.eos_id) == (None, 2)  # no add_bos_token and no template: no BOS
+    meta = prepare([write_corpus(tmp_path / "corpus")], tmp_path / "out", tokenizer=folder, num_proc=1)
+    assert meta["bos_id"] is None and sorted(decode_documents(tmp_path / "out", tok)) == sorted(TEXTS.values())
+    assert sorted(meta["tokenizer"]["files"]) == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    with pytest.raises(DataPrepError, match="no eos_token"):
+        load_tokenizer(write_hf(tmp_path / "noeos", {"bos_token": "<s>"}))
+    with pytest.raises(DataPrepError, match="names eos_token '<eos>', which"):
+        load_tokenizer(write_hf(tmp_path / "bad", {"eos_token": "<eos>"}))
+
+
+def test_uint32_for_a_large_vocabulary(tmp_path):
+    path, n = write_tiktoken(tmp_path / "big.model", merges=[], n_pairs=65_400)
+    assert n > 65_536 - 256
+    (tmp_path / "doc.txt").write_text("hello world\n" * 50)
+    meta = prepare([tmp_path / "doc.txt"], tmp_path / "out", tokenizer=path, num_proc=1)
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == n + 256 > 65_536 and meta["bos_id"] == n
+    ids = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint32)
+    assert ids[0] == n > 65_535 and (tmp_path / "out" / "train.bin").stat().st_size == 4 * meta["train_tokens"]
+    tok = load_tokenizer(tmp_path / "out")
+    train = tok.decode(ids[1:-1].tolist())  # the head, in train; its tail is in val
+    val = tok.decode(np.fromfile(tmp_path / "out" / "val.bin", dtype=np.uint32)[1:-1].tolist())
+    assert train + val == "hello world\n" * 50
+
+
+def test_fingerprint_tells_equal_sizes_apart(tmp_path):
+    a = load_tokenizer(write_sentencepiece(tmp_path / "a.model"))
+    b = load_tokenizer(write_sentencepiece(tmp_path / "b.model", text="zebra quartz fjord\n" * 200 + "".join(TEXTS.values())))
+    assert a.vocab_size == b.vocab_size and (a.bos_id, a.eos_id) == (b.bos_id, b.eos_id)
+    assert a.fingerprint()["sha256"] != b.fingerprint()["sha256"]
+    assert tokenizer_mismatch(a.fingerprint(), b.fingerprint()).startswith("sha256 ")
+    shutil.copyfile(tmp_path / "a.model", tmp_path / "copy.model")
+    assert tokenizer_mismatch(a.fingerprint(), load_tokenizer(tmp_path / "copy.model").fingerprint()) == ""
+
+
+def test_unknown_files_are_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("just some text\n")
+    (tmp_path / "random.model").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "empty").mkdir()
+    for name in ("notes.txt", "random.model"):
+        with pytest.raises(DataPrepError, match="is none of a SentencePiece model, a Hugging Face tokenizer.json"):
+            load_tokenizer(tmp_path / name)
+    with pytest.raises(DataPrepError, match="is JSON but not a Hugging Face tokenizer.json"):
+        load_tokenizer(tmp_path / "config.json")
+    with pytest.raises(DataPrepError, match="holds neither tokenizer.json nor tokenizer.model"):
+        load_tokenizer(tmp_path / "empty")
+    with pytest.raises(DataPrepError, match="does not exist"):
+        load_tokenizer(tmp_path / "nowhere.model")
