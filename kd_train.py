@@ -49,7 +49,8 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from checkpoint import export_hf, export_meta, load_checkpoint, save_adapter
+from checkpoint import export_hf, export_meta, load_checkpoint, load_provenance, save_adapter
+from data_prep import load_tokenizer, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict,
                    flops_per_token, mark_only_lora_trainable, merge_lora, peak_flops, to_lora_keys)
 
@@ -95,6 +96,10 @@ batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
 loss_chunk = 0  # tokens per chunk of the loss (logits recomputed in backward); 0: fp32 logits <= 128 MiB
 gradient_accumulation_steps = 0  # micro-batches per optimizer step over all processes; 0: one per process
+# reduce gradients once per step instead of once per micro-batch: less traffic, but every process
+# then holds a full unsharded gradient between micro-batches (2 bytes a trained parameter in bf16,
+# 4 with mixed_precision)
+accumulate_unsharded = False
 # optimizer and schedule
 max_iters = 300  # optimizer steps
 learning_rate = 1e-3  # peak learning rate
@@ -114,6 +119,7 @@ activation_checkpointing = 0  # recompute activations of every k-th student bloc
 activation_offloading = False  # keep saved activations in pinned CPU memory (CUDA only)
 cpu_offload = False  # keep parameters, gradients and optimizer state on the CPU (CUDA only)
 reshard_after_forward = True  # free gathered parameters after forward (less memory, more traffic)
+replicate_degree = 1  # HSDP: shard within groups of world_size / replicate_degree processes (a node), replicate across
 profile = False  # write a torch.profiler trace to out_dir
 profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in steps
 peak_flops_per_device = 0.0  # for MFU; 0: a table for known GPUs, a measured matmul on CPU
@@ -150,6 +156,8 @@ if lora_rank and quant_bits is not None:
     fail("quantizer with lora_rank > 0 is not supported: fake quant would see the base weights but conversion the merged ones; use a full finetune (lora_rank=0) for QAD")
 if save_adapter_only and not lora_rank:
     fail("save_adapter_only=True needs LoRA adapters; set lora_rank > 0")
+if world_size % replicate_degree:
+    fail(f"replicate_degree={replicate_degree} must divide the {world_size} processes")
 if export_format not in ("none", "meta", "hf"):
     fail(f"export_format={export_format!r} is unknown; use 'none', 'meta' or 'hf'")
 if dtype not in ("float32", "bfloat16"):
@@ -180,14 +188,38 @@ for name in ("train.bin", "val.bin", "meta.json"):
         fail(f"{os.path.join(data_dir, name)} is missing; run data_prep.py --out_dir {data_dir} first")
 with open(os.path.join(data_dir, "meta.json")) as f:
     data_meta = json.load(f)
+data_tokenizer = data_meta.get("tokenizer")  # its fingerprint; hand-made data may have none
+packed = bool(data_meta.get("packed"))  # SFT samples packed whole into rows of data_meta["block_size"]
+if packed and block_size != data_meta["block_size"]:
+    fail(f"{data_dir} holds samples packed into rows of {data_meta['block_size']} tokens; set block_size={data_meta['block_size']}")
 
 
-def load_or_fail(path):
+def tokenizer_of(path, ckpt):
+    """The fingerprint of the tokenizer a model was trained with, where it says so: recorded in a
+    nanotune checkpoint or export, or the tokenizer file of an HF / Meta directory (of the data's kind)."""
+    if ckpt or not os.path.isdir(path):
+        return ckpt.get("tokenizer")
+    if (provenance := load_provenance(path)) and provenance.get("tokenizer"):
+        return provenance["tokenizer"]
+    names = ("tokenizer.json", "tokenizer.model")  # the data's kind first: HF directories often hold both
+    for name in sorted(names, key=lambda n: n != ("tokenizer.json" if data_tokenizer.get("kind") == "hf" else "tokenizer.model")):
+        if os.path.isfile(os.path.join(path, name)):
+            return load_tokenizer(os.path.join(path, name)).fingerprint()
+    return None
+
+
+def load_or_fail(name, path):
     try:  # mmap: the weights are paged in as they are copied out; only rank 0 broadcasts them,
         # the other ranks need the shapes alone
         args, state = load_checkpoint(path, weights=master_process)
     except ValueError as e:
         fail(str(e))
+    file = path if os.path.isfile(path) else os.path.join(path, "ckpt.pt")
+    ckpt = torch.load(file, map_location="cpu", mmap=True, weights_only=True) if os.path.isfile(file) else {}
+    # teacher, student and data must share one tokenizer, or the divergence compares unrelated tokens
+    if data_tokenizer and (theirs := tokenizer_of(path, ckpt)) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
+        fail(f"{name}={path!r} was trained with another tokenizer than the data in {data_dir} ({diff}); "
+             f"teacher, student and data must share one tokenizer")
     if args.lora_rank:  # a LoRA student of an earlier run: start from its merged weights
         state = merge_lora(state, args)
         args.lora_rank = 0
@@ -209,16 +241,16 @@ if init_from == "resume":
     if changed:
         fail(f"{resume_path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
              f"resume with the same settings or start a new out_dir")
+    if ckpt.get("data") != data_meta.get("data"):
+        fail(f"the data in {data_dir} is not the data {resume_path} was trained on (its files differ); "
+             f"resume with the same data_dir contents or start a new out_dir")
 elif init_from == "scratch":
     shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
     for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
         shape[key] = value or shape.get(key)
     model_args = ModelArgs(**shape)
 else:
-    model_args, init_state = load_or_fail(init_from)
-# checkpoints with tied embeddings load with output.weight a copy of the embedding; FSDP
-# shards the two in separate units, so they are trained (and saved) untied
-model_args.tie_embeddings = False
+    model_args, init_state = load_or_fail("init_from", init_from)
 if init_from != "resume":
     model_args.lora_rank, model_args.lora_alpha = lora_rank, lora_alpha
     model_args.lora_dropout, model_args.lora_targets = lora_dropout, tuple(lora_targets)
@@ -226,8 +258,7 @@ if init_from != "resume":
         model_args.__post_init__()  # validates the LoRA targets
     except ValueError as e:
         fail(str(e))
-teacher_args, teacher_state = load_or_fail(teacher_init)
-teacher_args.tie_embeddings = False
+teacher_args, teacher_state = load_or_fail("teacher_init", teacher_init)
 
 # vocabularies: rows past the tokenizer's size are padding and are sliced off; more rows than
 # padding would explain means the two models were trained with different tokenizers
@@ -262,7 +293,11 @@ if torchrun:
     dist.init_process_group(backend, device_id=torch.device(device) if device_type == "cuda" else None)
 else:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-mesh = init_device_mesh(device_type, (world_size,))
+# HSDP when replicate_degree > 1: each group of world_size / replicate_degree processes (a node)
+# holds one sharded copy, and gradients are all-reduced across the copies: inter-node traffic is
+# one gradient reduction per step instead of every parameter gather
+mesh = init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree) if replicate_degree > 1 else (world_size,),
+                        mesh_dim_names=("replicate", "shard") if replicate_degree > 1 else None)
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (the GPU peak table assumes it)
 torch.backends.cudnn.allow_tf32 = True
@@ -270,19 +305,21 @@ ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
+    if data_tokenizer and data_tokenizer.get("files"):  # a copy beside each checkpoint, to sample and export it with
+        load_tokenizer(data_dir).save(out_dir)
     print(f"{world_size} process(es) on {device_type}, {tokens_per_iter:,} tokens per step")
 
 # -----------------------------------------------------------------------------
 # data: non-overlapping windows of block_size + 1 tokens; each epoch visits every window once
 # in an order fixed by (seed, epoch), so the batches of step n never depend on how we got there
 data_dtype = np.dtype(data_meta["dtype"])
-has_mask = bool(data_meta.get("has_mask"))
+has_mask, has_pos = bool(data_meta.get("has_mask")), bool(data_meta.get("has_pos"))
 
 
-def memmap(split, mask=False):
+def memmap(split, kind=""):
     # a fresh memmap per batch: a long-lived one grows the process's memory (nanoGPT's lesson)
-    return np.memmap(os.path.join(data_dir, f"{split}_mask.bin" if mask else f"{split}.bin"),
-                     dtype=np.uint8 if mask else data_dtype, mode="r")
+    dtype = {"": data_dtype, "mask": np.uint8, "pos": np.dtype(data_meta.get("pos_dtype") or "uint16")}[kind]
+    return np.memmap(os.path.join(data_dir, f"{split}_{kind}.bin" if kind else f"{split}.bin"), dtype=dtype, mode="r")
 
 
 n_targets = {s: len(memmap(s)) - 1 for s in ("train", "val")}  # every token but the first is a target
@@ -307,12 +344,16 @@ def epoch_order(epoch):
 
 
 def get_batch(split, windows):
-    """Inputs and targets (B, T) for window indices; windows < 0 are padding, and targets past
-    the end of the split (the last, partial window) are ignored."""
+    """Inputs, targets and (packed data) positions within each sample, (B, T) each, for window
+    indices; windows < 0 are padding, and targets past the end of the split (the last, partial
+    window) are ignored. Positions restart at 0 where a sample starts, which is what keeps packed
+    samples from attending to each other."""
     data = memmap(split)
-    mask = memmap(split, mask=True) if has_mask else None
+    mask = memmap(split, "mask") if has_mask else None
+    pos_data = memmap(split, "pos") if has_pos else None
     x = torch.zeros(len(windows), block_size, dtype=torch.long)
     y = torch.full((len(windows), block_size), IGNORE_INDEX, dtype=torch.long)
+    pos = torch.zeros(len(windows), block_size, dtype=torch.long) if has_pos else None
     for i, w in enumerate(windows.tolist()):
         if w < 0:
             continue
@@ -322,9 +363,12 @@ def get_batch(split, windows):
         if mask is not None:  # prompt tokens are context only: no loss on them
             m = torch.from_numpy(mask[w * block_size + 1: w * block_size + n + 1].astype(bool))
             y[i, :n][~m] = IGNORE_INDEX
+        if pos is not None:
+            pos[i, :n] = torch.from_numpy(pos_data[w * block_size: w * block_size + n].astype(np.int64))
     if device_type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x, y
+        x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        pos = None if pos is None else pos.pin_memory().to(device, non_blocking=True)
+    return x, y, pos
 
 
 def train_batches(it):
@@ -382,6 +426,8 @@ def set_fake_quant(m, enabled):
 
 if quant_bits is not None:
     quantize_model(model, "prepare")
+    if model_args.tie_embeddings:  # prepare gives the output layer a weight of its own: tie it back
+        model.output.weight = model.tok_embeddings.weight
 if activation_checkpointing:
     for i, block in enumerate(model.layers):
         if i % activation_checkpointing == 0:
@@ -404,7 +450,8 @@ for m in (model, teacher):
               reshard_after_forward=reshard_after_forward or m is teacher, offload_policy=offload)
     for block in m.layers:
         fully_shard(block, **kw)
-    fully_shard(m.tok_embeddings, **kw)
+    if not m.args.tie_embeddings:  # tied, the embedding is the output's weight: both stay in the root
+        fully_shard(m.tok_embeddings, **kw)
     fully_shard(m, **{**kw, "reshard_after_forward": False})  # the root stays gathered: see above
     register_fsdp_forward_method(m, "hidden")  # FSDP's gathering hooks also run for .hidden()
     m.to_empty(device="cpu" if cpu_offload else device)
@@ -457,6 +504,7 @@ if init_from == "resume":
     if master_process:
         print(f"resumed from {resume_path} at step {iter_num}")
 start_iter = iter_num
+teacher_val_loss = ckpt.get("teacher_val_loss")
 ckpt_fake_quant = bool(ckpt.get("fake_quant"))  # resume has checked that the quantization settings match
 ckpt = None  # free the optimizer state held by rank 0
 
@@ -523,11 +571,11 @@ if compile:
 chunk_tokens = loss_chunk or max(1, LOGITS_PER_CHUNK // max(model_args.vocab_size, teacher_args.vocab_size))
 
 
-def distill_loss(x, y):
-    """Summed (CE, KD) of a micro-batch (B, T)."""
-    hs = model.hidden(x).flatten(0, 1)  # (B*T, Cs)
+def distill_loss(x, y, pos):
+    """Summed (CE, KD) of a micro-batch (B, T); pos: positions within packed samples, or None."""
+    hs = model.hidden(x, pos).flatten(0, 1)  # (B*T, Cs)
     with torch.no_grad():
-        ht = teacher.hidden(x).flatten(0, 1)  # (B*T, Ct)
+        ht = teacher.hidden(x, pos).flatten(0, 1)  # (B*T, Ct)
     y = y.flatten()
     if hs.shape[0] <= chunk_tokens:
         return chunk_losses(hs, ht, y)
@@ -560,8 +608,8 @@ def evaluate(m, full=False, it=0):
         batches = torch.randint(n_windows["val"], (eval_iters, batch_size), generator=generator(it, rank, 1))
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, target count)
     for windows in tqdm(batches, desc="eval", leave=False, disable=not (full and master_process)):
-        x, y = get_batch("val", windows)
-        sums[0] += m(x, y, reduction="sum", loss_chunk=loss_chunk).double()
+        x, y, pos = get_batch("val", windows)
+        sums[0] += m(x, y, reduction="sum", loss_chunk=loss_chunk, input_pos=pos).double()
         sums[1] += (y != IGNORE_INDEX).sum()
     m.train(was_training)
     dist.all_reduce(sums)
@@ -594,10 +642,20 @@ def save_checkpoint():
         atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
                      "iter_num": iter_num, "epoch": iter_num // steps_per_epoch, "config": config,
                      "quantizer": quantizer, "group_size": group_size, "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
-                     "teacher_init": teacher_init, "rng": rngs}, os.path.join(out_dir, "ckpt.pt"))
+                     "teacher_init": teacher_init, "teacher_val_loss": teacher_val_loss, "tokenizer": data_tokenizer,
+                     "data": data_meta.get("data"), "rng": rngs}, os.path.join(out_dir, "ckpt.pt"))
 
 
-log_file = open(os.path.join(out_dir, "log.jsonl"), "a") if master_process else None
+log_file = None
+if master_process:
+    log_file = open(os.path.join(out_dir, "log.jsonl"), "a+")
+    if init_from == "resume":  # the lines of steps after the checkpoint are about to be redone
+        log_file.seek(0)
+        records = [json.loads(line) for line in log_file]  # an event at the resumed step comes again
+        kept = [json.dumps(r) + "\n" for r in records if r["iter"] < iter_num or (r["iter"] == iter_num and "event" not in r)]
+        log_file.seek(0)
+        log_file.truncate()
+        log_file.writelines(kept)
 wandb = None
 if wandb_log and master_process:
     import wandb
@@ -623,8 +681,9 @@ def peak_memory_gb():
 # a KD step costs the student's training FLOPs plus one teacher forward (a third of its training FLOPs)
 flops_token = flops_per_token(model_args, block_size) + flops_per_token(teacher_args, block_size) / 3
 peak, peak_source = (peak_flops_per_device, "given") if peak_flops_per_device else peak_flops(device_type, ptdtype)
-teacher_val_loss = evaluate(teacher, full=True)
-log({"iter": iter_num, "teacher_val_loss": teacher_val_loss})
+if teacher_val_loss is None:  # once per run: a resumed run has it from its checkpoint
+    teacher_val_loss = evaluate(teacher, full=True)
+    log({"iter": iter_num, "teacher_val_loss": teacher_val_loss})
 if master_process:
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"student {sum(p.numel() for p in model.parameters()):,} parameters ({n_train:,} trained), "
@@ -660,14 +719,15 @@ with profiler as prof:
         # normalize by the unmasked tokens of the whole step, over every micro-batch and rank, so
         # the gradient does not depend on how the global batch is split; FSDP averages over ranks,
         # hence the world_size factor
-        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in batches)
         dist.all_reduce(n_tokens)
         n_tokens.clamp_(min=1)  # a step whose every target is masked contributes nothing, not NaN
         ce_sum, kd_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-        for micro, (x, y) in enumerate(batches):
-            model.set_requires_gradient_sync(micro == len(batches) - 1)  # reduce only once per step
+        for micro, (x, y, pos) in enumerate(batches):
+            if accumulate_unsharded:  # reduce once per step; else each micro-batch's gradient is reduce-scattered
+                model.set_requires_gradient_sync(micro == len(batches) - 1)
             with offload_ctx:
-                ce, kd = distill_loss(x, y)
+                ce, kd = distill_loss(x, y, pos)
             ((1 - kd_ratio) * ce + kd_ratio * kd).mul(world_size / n_tokens).backward()
             ce_sum, kd_sum = ce_sum + ce.detach(), kd_sum + kd.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -724,12 +784,16 @@ if master_process:
     if lora_rank:
         save_adapter(adapter_state_dict(cpu_state), model_args, os.path.join(out_dir, "adapter"))
     if not save_adapter_only:
-        atomic_save({"model": merged, "model_args": vars(merged_args).copy(), "iter_num": iter_num, "config": config},
+        atomic_save({"model": merged, "model_args": vars(merged_args).copy(), "iter_num": iter_num, "config": config,
+                     "tokenizer": data_tokenizer},
                     os.path.join(out_dir, "model.pt"))
+    tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
+    provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config}
     if export_format == "meta":
-        export_meta(merged, merged_args, os.path.join(out_dir, "export_meta"))
+        export_meta(merged, merged_args, os.path.join(out_dir, "export_meta"), tokenizer_files, provenance)
     elif export_format == "hf":
-        export_hf(merged, merged_args, os.path.join(out_dir, "export_hf"))
+        export_hf(merged, merged_args, os.path.join(out_dir, "export_hf"), tokenizer_files, data_meta.get("bos_id"),
+                  data_meta.get("eos_id"), provenance)
 if quant_bits is not None:
     # every rank converts its own copy and evaluates its share of the split; torchao's
     # quantized tensors are not shardable by FSDP, and the converted model is small
@@ -754,7 +818,8 @@ if quant_bits is not None:
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
-                     "iter_num": iter_num, "config": config}, os.path.join(out_dir, "quantized.pt"))
+                     "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
+                    os.path.join(out_dir, "quantized.pt"))
 log(summary)
 if master_process:
     gap = f"  (teacher {teacher_val_loss:.4f})"

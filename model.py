@@ -408,10 +408,10 @@ def flops_per_token(args: ModelArgs, seq_len: int):
     """Training FLOPs per token: 6 per weight (forward + backward) plus attention's QK^T and AV,
     12 * layers * dim * seq_len (PaLM appendix B; causal masking not discounted, as usual)."""
     d, h, L = args.dim, args.hidden_dim, args.n_layers
-    kv = args.n_kv_heads * args.head_dim
-    per_layer = 2 * d * d + 2 * d * kv + 3 * d * h
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim  # q need not be dim wide (head_dim given)
+    per_layer = 2 * d * q + 2 * d * kv + 3 * d * h
     n = L * per_layer + args.vocab_size * d  # the output projection; embedding lookups are free
-    return 6 * n + 12 * L * d * seq_len
+    return 6 * n + 12 * L * q * seq_len
 
 
 # dense bf16 FLOP/s per device (float32 runs on TF32 tensor cores at half of it)

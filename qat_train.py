@@ -45,12 +45,13 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from checkpoint import load_checkpoint
+from checkpoint import export_hf, export_meta, load_checkpoint, load_provenance
+from data_prep import load_tokenizer, tokenizer_mismatch
 from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer, flops_per_token, merge_lora, peak_flops
 
 # -----------------------------------------------------------------------------
 # I/O
-out_dir = "out/qat"  # ckpt.pt, quantized.pt and log.jsonl go here
+out_dir = "out/qat"  # ckpt.pt, quantized.pt, log.jsonl and a copy of the data's tokenizer go here
 data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from data_prep.py
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint file / Meta / HF directory
 convert_only = False  # skip training: evaluate, convert and save the init_from model
@@ -59,6 +60,7 @@ eval_interval = 100  # steps between validation estimates
 eval_iters = 20  # batches per validation estimate; the final evaluation uses the whole split
 log_interval = 10  # steps between log lines (the only steps that sync with the device)
 ckpt_interval = 500  # steps between checkpoints; one is always written at the end
+export_format = "none"  # also write the trained full-precision model as an 'hf' or 'meta' directory
 wandb_log = False  # also log to Weights & Biases (imported only then)
 wandb_project = "nanotune"
 wandb_run_name = "qat"
@@ -79,6 +81,10 @@ batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
 loss_chunk = 0  # tokens per chunk of the loss (logits recomputed in backward); 0: fp32 logits <= 128 MiB
 gradient_accumulation_steps = 0  # micro-batches per optimizer step over all processes; 0: one per process
+# reduce gradients once per step instead of once per micro-batch: less traffic, but every process
+# then holds a full unsharded gradient between micro-batches (2 bytes a parameter in bf16, 4 with
+# mixed_precision: 16-32 GB for an 8B model)
+accumulate_unsharded = False
 # optimizer and schedule
 max_iters = 300  # optimizer steps
 learning_rate = 3e-4  # peak learning rate
@@ -99,6 +105,7 @@ activation_checkpointing = 0  # recompute activations of every k-th block in bac
 activation_offloading = False  # keep saved activations in pinned CPU memory (CUDA only)
 cpu_offload = False  # keep parameters, gradients and optimizer state on the CPU (CUDA only)
 reshard_after_forward = True  # free gathered parameters after forward (less memory, more traffic)
+replicate_degree = 1  # HSDP: shard within groups of world_size / replicate_degree processes (a node), replicate across
 profile = False  # write a torch.profiler trace to out_dir
 profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in steps
 peak_flops_per_device = 0.0  # for MFU; 0: a table for known GPUs, a measured matmul on CPU
@@ -143,6 +150,10 @@ if optimizer_in_bwd and micro_steps > 1:
     fail("optimizer_in_bwd=True steps inside backward, so it cannot accumulate gradients; set gradient_accumulation_steps to the number of processes")
 if optimizer_in_bwd and math.isfinite(grad_clip):
     fail("optimizer_in_bwd=True steps before the global gradient norm is known; set grad_clip=float('inf')")
+if export_format not in ("none", "hf", "meta"):
+    fail(f"export_format={export_format!r} is unknown; use 'none', 'hf' or 'meta'")
+if world_size % replicate_degree:
+    fail(f"replicate_degree={replicate_degree} must divide the {world_size} processes")
 if convert_only and (init_from == "scratch" or quant_bits is None):
     fail("convert_only=True needs trained weights (init_from) and a quantizer, e.g. --quantizer=8da4w")
 resume_path = os.path.join(out_dir, "ckpt.pt") if init_from == "resume" else init_from
@@ -158,6 +169,24 @@ for name in ("train.bin", "val.bin", "meta.json"):
         fail(f"{os.path.join(data_dir, name)} is missing; run data_prep.py --out_dir {data_dir} first")
 with open(os.path.join(data_dir, "meta.json")) as f:
     data_meta = json.load(f)
+data_tokenizer = data_meta.get("tokenizer")  # its fingerprint; hand-made data may have none
+packed = bool(data_meta.get("packed"))  # SFT samples packed whole into rows of data_meta["block_size"]
+if packed and block_size != data_meta["block_size"]:
+    fail(f"{data_dir} holds samples packed into rows of {data_meta['block_size']} tokens; set block_size={data_meta['block_size']}")
+
+
+def tokenizer_of(path, ckpt):
+    """The fingerprint of the tokenizer a model was trained with, where it says so: recorded in a
+    nanotune checkpoint or export, or the tokenizer file of an HF / Meta directory (of the data's kind)."""
+    if ckpt or not os.path.isdir(path):
+        return ckpt.get("tokenizer")
+    if (provenance := load_provenance(path)) and provenance.get("tokenizer"):
+        return provenance["tokenizer"]
+    names = ("tokenizer.json", "tokenizer.model")  # the data's kind first: HF directories often hold both
+    for name in sorted(names, key=lambda n: n != ("tokenizer.json" if data_tokenizer.get("kind") == "hf" else "tokenizer.model")):
+        if os.path.isfile(os.path.join(path, name)):
+            return load_tokenizer(os.path.join(path, name)).fingerprint()
+    return None
 
 # the model's shape: from the checkpoint, or from the preset and overrides
 init_state, ckpt = None, {}
@@ -174,14 +203,14 @@ else:
     ckpt_file = resume_path if os.path.isfile(resume_path) else os.path.join(resume_path, "ckpt.pt")
     if os.path.isfile(ckpt_file):  # a nanotune checkpoint: resume also takes its optimizer and position
         ckpt = torch.load(ckpt_file, map_location="cpu", mmap=True, weights_only=True)
+    if data_tokenizer and (theirs := tokenizer_of(resume_path, ckpt)) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
+        fail(f"{resume_path} was trained with another tokenizer than the data in {data_dir} ({diff}); "
+             f"prepare the data with the model's own tokenizer")
     if model_args.lora_rank:  # a LoRA model (from kd_train.py): QAT rounds what it computes, W + BA
         init_state = merge_lora(init_state, model_args) if master_process else None
         model_args.lora_rank = 0
         if master_process:
             print(f"note: {init_from} holds LoRA adapters; they are merged into the weights before QAT")
-# a checkpoint with tied embeddings loads with output.weight a copy of the embedding; FSDP
-# shards the two in separate units, so they are trained (and saved) untied
-model_args.tie_embeddings = False
 if data_meta["vocab_size"] > model_args.vocab_size:
     fail(f"the data in {data_dir} uses {data_meta['vocab_size']} token ids but the model has only {model_args.vocab_size}; prepare the data with the model's tokenizer")
 if block_size > model_args.max_seq_len:
@@ -202,6 +231,9 @@ if init_from == "resume":
     if changed:
         fail(f"{resume_path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
              f"resume with the same settings or start a new out_dir")
+    if ckpt.get("data") != data_meta.get("data"):
+        fail(f"the data in {data_dir} is not the data {resume_path} was trained on (its files differ); "
+             f"resume with the same data_dir contents or start a new out_dir")
 # whether the loaded weights were trained with this very fake quantization (so converting them is QAT)
 ckpt_fake_quant = bool(ckpt.get("fake_quant")) and all(ckpt["config"].get(k) == globals()[k] for k in quant_settings)
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
@@ -219,7 +251,11 @@ if torchrun:
     dist.init_process_group(backend, device_id=torch.device(device) if device_type == "cuda" else None)
 else:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-mesh = init_device_mesh(device_type, (world_size,))
+# HSDP when replicate_degree > 1: each group of world_size / replicate_degree processes (a node)
+# holds one sharded copy, and gradients are all-reduced across the copies: inter-node traffic is
+# one gradient reduction per step instead of every parameter gather
+mesh = init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree) if replicate_degree > 1 else (world_size,),
+                        mesh_dim_names=("replicate", "shard") if replicate_degree > 1 else None)
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (the GPU peak table assumes it)
 torch.backends.cudnn.allow_tf32 = True
@@ -227,19 +263,21 @@ ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
+    if data_tokenizer and data_tokenizer.get("files"):  # a copy beside each checkpoint, to sample and export it with
+        load_tokenizer(data_dir).save(out_dir)
     print(f"{world_size} process(es) on {device_type}, {tokens_per_iter:,} tokens per step")
 
 # -----------------------------------------------------------------------------
 # data: non-overlapping windows of block_size + 1 tokens; each epoch visits every window once
 # in an order fixed by (seed, epoch), so the batches of step n never depend on how we got there
 data_dtype = np.dtype(data_meta["dtype"])
-has_mask = bool(data_meta.get("has_mask"))
+has_mask, has_pos = bool(data_meta.get("has_mask")), bool(data_meta.get("has_pos"))
 
 
-def memmap(split, mask=False):
+def memmap(split, kind=""):
     # a fresh memmap per batch: a long-lived one grows the process's memory (nanoGPT's lesson)
-    return np.memmap(os.path.join(data_dir, f"{split}_mask.bin" if mask else f"{split}.bin"),
-                     dtype=np.uint8 if mask else data_dtype, mode="r")
+    dtype = {"": data_dtype, "mask": np.uint8, "pos": np.dtype(data_meta.get("pos_dtype") or "uint16")}[kind]
+    return np.memmap(os.path.join(data_dir, f"{split}_{kind}.bin" if kind else f"{split}.bin"), dtype=dtype, mode="r")
 
 
 n_targets = {s: len(memmap(s)) - 1 for s in ("train", "val")}  # every token but the first is a target
@@ -264,12 +302,16 @@ def epoch_order(epoch):
 
 
 def get_batch(split, windows):
-    """Inputs and targets (B, T) for window indices; windows < 0 are padding, and targets past
-    the end of the split (the last, partial window) are ignored."""
+    """Inputs, targets and (packed data) positions within each sample, (B, T) each, for window
+    indices; windows < 0 are padding, and targets past the end of the split (the last, partial
+    window) are ignored. Positions restart at 0 where a sample starts, which is what keeps packed
+    samples from attending to each other."""
     data = memmap(split)
-    mask = memmap(split, mask=True) if has_mask else None
+    mask = memmap(split, "mask") if has_mask else None
+    pos_data = memmap(split, "pos") if has_pos else None
     x = torch.zeros(len(windows), block_size, dtype=torch.long)
     y = torch.full((len(windows), block_size), IGNORE_INDEX, dtype=torch.long)
+    pos = torch.zeros(len(windows), block_size, dtype=torch.long) if has_pos else None
     for i, w in enumerate(windows.tolist()):
         if w < 0:
             continue
@@ -279,9 +321,12 @@ def get_batch(split, windows):
         if mask is not None:  # prompt tokens are context only: no loss on them
             m = torch.from_numpy(mask[w * block_size + 1: w * block_size + n + 1].astype(bool))
             y[i, :n][~m] = IGNORE_INDEX
+        if pos is not None:
+            pos[i, :n] = torch.from_numpy(pos_data[w * block_size: w * block_size + n].astype(np.int64))
     if device_type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x, y
+        x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        pos = None if pos is None else pos.pin_memory().to(device, non_blocking=True)
+    return x, y, pos
 
 
 def train_batches(it):
@@ -333,6 +378,8 @@ def set_fake_quant(m, enabled):
 
 if quant_bits is not None:
     quantize_model(model, "prepare")
+    if model_args.tie_embeddings:  # prepare gives the output layer a weight of its own: tie it back
+        model.output.weight = model.tok_embeddings.weight
 if activation_checkpointing:
     for i, block in enumerate(model.layers):
         if i % activation_checkpointing == 0:
@@ -352,7 +399,8 @@ fsdp_kw = dict(mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_aft
                offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
 for block in model.layers:
     fully_shard(block, **fsdp_kw)
-fully_shard(model.tok_embeddings, **fsdp_kw)
+if not model_args.tie_embeddings:  # tied, the embedding is the output's weight: both stay in the root
+    fully_shard(model.tok_embeddings, **fsdp_kw)
 fully_shard(model, **{**fsdp_kw, "reshard_after_forward": False})  # backward needs the root first
 model.to_empty(device="cpu" if cpu_offload else device)
 model.reset_buffers(device)
@@ -427,8 +475,8 @@ def evaluate(m, full=False, it=0):
         batches = torch.randint(n_windows["val"], (eval_iters, batch_size), generator=generator(it, rank, 1))
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, target count)
     for windows in tqdm(batches, desc="eval", leave=False, disable=not (full and master_process)):
-        x, y = get_batch("val", windows)
-        sums[0] += m(x, y, reduction="sum", loss_chunk=loss_chunk).double()
+        x, y, pos = get_batch("val", windows)
+        sums[0] += m(x, y, reduction="sum", loss_chunk=loss_chunk, input_pos=pos).double()
         sums[1] += (y != IGNORE_INDEX).sum()
     m.train(was_training)
     dist.all_reduce(sums)
@@ -480,10 +528,20 @@ def save_checkpoint():
                      "quantizer": quantizer, "group_size": group_size,
                      # how these weights were trained (the last step taken), as ckpt_fake_quant reads it
                      "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
+                     "tokenizer": data_tokenizer, "data": data_meta.get("data"),
                      "rng": rngs}, os.path.join(out_dir, "ckpt.pt"))
 
 
-log_file = open(os.path.join(out_dir, "log.jsonl"), "a") if master_process else None
+log_file = None
+if master_process:
+    log_file = open(os.path.join(out_dir, "log.jsonl"), "a+")
+    if init_from == "resume":  # the lines of steps after the checkpoint are about to be redone
+        log_file.seek(0)
+        records = [json.loads(line) for line in log_file]  # an event at the resumed step comes again
+        kept = [json.dumps(r) + "\n" for r in records if r["iter"] < iter_num or (r["iter"] == iter_num and "event" not in r)]
+        log_file.seek(0)
+        log_file.truncate()
+        log_file.writelines(kept)
 wandb = None
 if wandb_log and master_process:
     import wandb
@@ -554,14 +612,15 @@ with profiler as prof:
         # normalize by the unmasked tokens of the whole step, over every micro-batch and rank, so
         # the gradient does not depend on how the global batch is split; FSDP averages over ranks,
         # hence the world_size factor
-        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in batches)
         dist.all_reduce(n_tokens)
         n_tokens.clamp_(min=1)  # a step whose every target is masked contributes nothing, not NaN
         loss_sum = torch.zeros((), device=device)
-        for micro, (x, y) in enumerate(batches):
-            model.set_requires_gradient_sync(micro == len(batches) - 1)  # reduce only once per step
+        for micro, (x, y, pos) in enumerate(batches):
+            if accumulate_unsharded:  # reduce once per step; else each micro-batch's gradient is reduce-scattered
+                model.set_requires_gradient_sync(micro == len(batches) - 1)
             with offload_ctx:
-                loss = model(x, y, reduction="sum", loss_chunk=loss_chunk)
+                loss = model(x, y, reduction="sum", loss_chunk=loss_chunk, input_pos=pos)
             (loss * world_size / n_tokens).backward()
             loss_sum += loss.detach()
         if not optimizer_in_bwd:
@@ -605,6 +664,18 @@ pbar.close()
 set_fake_quant(model, False)
 fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss), "quant_val_loss": None}
+if export_format != "none":  # the trained full-precision weights, for tools that quantize on their own
+    fp_state = full_state_dict(model)  # a collective; rank 0 ends up with the weights, on the CPU
+    if master_process:
+        export_dir = os.path.join(out_dir, f"export_{export_format}")
+        tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
+        provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config}
+        if export_format == "hf":
+            export_hf(fp_state, model_args, export_dir, tokenizer_files, data_meta.get("bos_id"), data_meta.get("eos_id"), provenance)
+        else:
+            export_meta(fp_state, model_args, export_dir, tokenizer_files, provenance)
+        print(f"exported: {export_dir}")
+    del fp_state
 if quant_bits is not None:
     # QAT only if the weights were trained under this fake quantization: in this run's last
     # step, or (no step taken here) in the loaded checkpoint's
@@ -620,7 +691,8 @@ if quant_bits is not None:
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
-                     "iter_num": iter_num, "config": config}, os.path.join(out_dir, "quantized.pt"))
+                     "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
+                    os.path.join(out_dir, "quantized.pt"))
 log(summary)
 if master_process:
     rows = []

@@ -1,6 +1,7 @@
 """Helpers for the training-script tests: tiny token data on disk, a script run as `python` or
 `torchrun`, its log.jsonl read back. Import them with `from conftest import make_data, run, read_log`."""
 
+import hashlib
 import json
 import math
 import os
@@ -25,7 +26,7 @@ def corpus(n_tokens, vocab_size=256, n_patterns=16, seed=0):
 
 
 def make_data(path, vocab_size=256, train_tokens=8192, val_tokens=1536, seed=0, train=None, val=None,
-              train_mask=None, val_mask=None):
+              train_mask=None, val_mask=None, tokenizer_id="synthetic-0"):
     """Writes train.bin, val.bin and meta.json as data_prep.py does into the directory path (token
     arrays default to one corpus() cut in two), plus {split}_mask.bin and has_mask=True when masks
     (1 = trained on, aligned with the tokens) are given. Returns path as a str."""
@@ -42,7 +43,14 @@ def make_data(path, vocab_size=256, train_tokens=8192, val_tokens=1536, seed=0, 
         for split, tokens, mask in (("train", train, train_mask), ("val", val, val_mask)):
             assert mask is not None and len(mask) == len(tokens)
             np.asarray(mask, dtype=np.uint8).tofile(os.path.join(path, f"{split}_mask.bin"))
-    meta = {"vocab_size": vocab_size, "dtype": "uint16", "eos_id": 2, "has_mask": has_mask}
+    # fingerprints as data_prep.py writes them: of the files, and of a (here imaginary) tokenizer
+    files = {f: {"bytes": os.path.getsize(os.path.join(path, f)),
+                 "sha256": hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest()}
+             for f in sorted(os.listdir(path)) if f.endswith(".bin")}
+    tokenizer = {"kind": "synthetic", "sha256": tokenizer_id, "bos_id": None, "eos_id": 2, "vocab_size": vocab_size,
+                 "files": []}
+    meta = {"vocab_size": vocab_size, "dtype": "uint16", "eos_id": 2, "has_mask": has_mask, "tokenizer": tokenizer,
+            "data": files}
     with open(os.path.join(path, "meta.json"), "w") as f:
         json.dump(meta, f)
     return str(path)

@@ -133,9 +133,16 @@ def test_two_processes_match_one(train, settings):
     for it, r in records(one).items():
         assert records(two)[it]["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4 if it == 1 or not settings else 2e-3)
         assert records(two)[it]["fake_quant"] == r["fake_quant"]
-    assert max_weight_diff(weights(train(nproc=2, **settings)), weights(train(**settings))) < 1e-5
+    w1, w2 = weights(train(**settings)), weights(train(nproc=2, **settings))
+    if settings:
+        # step 1's weights agree to 1e-8; one 4-bit rounding flip in step 2's forward then shifts
+        # every gradient a little, which can turn the sign of Adam's step for small gradients:
+        # the weights then differ by up to one step's size, the learning rate, not by float noise
+        assert max_weight_diff(w2, w1) < BASE["learning_rate"]
+    else:
+        assert max_weight_diff(w2, w1) < 1e-5
     # the final evaluation splits the val windows over the ranks, padding the last round
-    assert summary(two)["fp_val_loss"] == pytest.approx(summary(one)["fp_val_loss"], rel=1e-5)
+    assert summary(two)["fp_val_loss"] == pytest.approx(summary(one)["fp_val_loss"], rel=2e-4 if settings else 1e-5)
     if settings:
         assert summary(two)["method"] == summary(one)["method"] == "qat"
         # weights 1e-7 apart can round to different 4-bit levels: a handful of flips at most
@@ -218,16 +225,39 @@ def test_kill_and_resume_reproduces_straight_run(train, data, tmp_path):
     assert_same_losses({i: l for i, l in losses(killed_log).items() if i <= killed_at},
                        {i: l for i, l in losses(read_log(straight)).items() if i <= killed_at}, rel=1e-6)
     # a kill inside torch.save leaves a partial temp file beside the last good checkpoint
-    os.rename(out / "log.jsonl", out / "killed.jsonl")
     (out / "ckpt.pt.tmp").write_bytes(b"half a checkpoint")
     run(SCRIPT, **{**settings, "init_from": "resume"})
     log = read_log(out)
-    assert min(losses(log)) == killed_at + 1
-    assert_same_losses(losses(log), {i: l for i, l in losses(read_log(straight)).items() if i > killed_at}, rel=1e-6)
-    assert all(r["fake_quant"] for r in records(log).values())
+    # the log keeps the steps up to the checkpoint, drops those the kill made to be redone: once each
+    assert [r["iter"] for r in log if "loss" in r] == list(range(1, steps + 1))
+    assert_same_losses(losses(log), losses(read_log(straight)), rel=1e-6)
+    assert [r["fake_quant"] for r in records(log).values()] == [it > N for it in range(1, steps + 1)]
     assert max_weight_diff(weights(out), weights(straight)) < 1e-6
     assert summary(log)["fp_val_loss"] == pytest.approx(summary(read_log(straight))["fp_val_loss"], rel=1e-6)
     assert not (out / "ckpt.pt.tmp").exists() and not (out / "quantized.pt.tmp").exists()
+
+
+def test_default_accumulation_and_hsdp_under_torchrun(train, data):
+    # no gradient_accumulation_steps: one micro-batch per process, at any process count
+    settings = dict(gradient_accumulation_steps=0)  # the default
+    plain = read_log(train(nproc=2, **settings))
+    assert [r["iter"] for r in plain if "loss" in r] == list(range(1, 7))
+    # HSDP: 2 replicas of a 1-process shard compute what plain FSDP over 2 processes does
+    hsdp = read_log(train(nproc=2, replicate_degree=2, **settings))
+    assert_same_losses(losses(hsdp), losses(plain), rel=1e-5)
+
+
+def test_resume_refuses_other_data(train, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(train(), out)
+    other = make_data(tmp_path / "other", seed=1)
+    r = run(SCRIPT, check=False, **{**BASE, "data_dir": other, "out_dir": out, "init_from": "resume", "max_iters": 8})
+    assert r.returncode == 2 and "not the data" in r.stderr, r.stderr[-2000:]
+    # and a checkpoint trained on data of another tokenizer does not finetune on this one
+    other_tok = make_data(tmp_path / "other_tok", tokenizer_id="synthetic-1")
+    r = run(SCRIPT, check=False, **{**FINETUNE, "data_dir": other_tok, "out_dir": tmp_path / "ft",
+                                    "init_from": str(out / "ckpt.pt")})
+    assert r.returncode == 2 and "another tokenizer" in r.stderr, r.stderr[-2000:]
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""The Llama 3 path end to end, as a user takes it: a Hugging Face directory written by
+transformers (Llama-3.2 shape: tied embeddings, llama3 RoPE scaling, its own tokenizer.json),
+data prepared with that tokenizer, a QAT finetune exporting an HF directory, and transformers
+loading that export with nanotune's logits and generating from it. Also the tokenizer checks
+where a model and data meet."""
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from checkpoint import load_checkpoint  # noqa: E402
+from conftest import run  # noqa: E402
+from data_prep import prepare  # noqa: E402
+from model import Transformer  # noqa: E402
+from test_tokenizers import TEXTS, write_hf, write_sentencepiece  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+TRAIN = dict(block_size=32, batch_size=4, max_iters=2, warmup_iters=1, learning_rate=1e-3, eval_interval=1000,
+             eval_iters=1, log_interval=1, ckpt_interval=1000, quantizer="8da4w", group_size=32)
+
+
+@pytest.fixture(scope="module")
+def llama32(tmp_path_factory):
+    """An HF directory: a random tied Llama-3.2-shaped model and a byte-level BPE tokenizer.json."""
+    d = tmp_path_factory.mktemp("llama32")
+    write_hf(d)
+    vocab = json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                                   max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                                                        low_freq_factor=1.0, high_freq_factor=4.0,
+                                                        original_max_position_embeddings=64))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    corpus = tmp_path_factory.mktemp("corpus")
+    for i in range(12):  # enough text for a few windows of 32 tokens in each split
+        for name, text in TEXTS.items():
+            (corpus / f"{i}_{name}").write_text(text)
+    data = tmp_path_factory.mktemp("data")
+    prepare(inputs=[str(corpus)], out_dir=str(data), tokenizer=str(d), val_fraction=0.2)
+    return d, data
+
+
+def test_qat_from_hf_directory_exports_what_transformers_loads(llama32, tmp_path):
+    hf_dir, data = llama32
+    out = tmp_path / "out"
+    run("qat_train.py", init_from=str(hf_dir), data_dir=str(data), out_dir=str(out), export_format="hf", **TRAIN)
+    export = out / "export_hf"
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] and cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["head_dim"] == 32
+    assert (export / "tokenizer.json").exists() and (export / "generation_config.json").exists()
+    # the export computes what the trained checkpoint computes, in transformers
+    args, sd = load_checkpoint(str(out / "ckpt.pt"))
+    assert args.tie_embeddings and torch.equal(sd["output.weight"], sd["tok_embeddings.weight"])  # still tied
+    ours = Transformer(args)
+    ours.load_state_dict(sd, assign=True)
+    tokens = torch.randint(0, args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours.eval()(tokens), rtol=0, atol=1e-4)
+        # the export is the trained model, not the starting one
+        start = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+        assert (start(tokens).logits - theirs(tokens).logits).abs().max() > 1e-4
+        out_ids = theirs.generate(tokens[:1, :8], max_new_tokens=6, do_sample=False)
+    assert out_ids.shape == (1, 14)
+    assert torch.equal(out_ids, ours.generate(tokens[:1, :8], 6, temperature=0))
+    # and the converted model and the copy of the tokenizer are beside the checkpoint
+    assert (out / "quantized.pt").exists() and (out / "tokenizer.json").exists()
+
+
+def test_data_from_another_tokenizer_is_refused(llama32, tmp_path):
+    hf_dir, _ = llama32
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, text in TEXTS.items():
+        (corpus / name).write_text(text * 8)
+    other = tmp_path / "other"
+    prepare(inputs=[str(corpus)], out_dir=str(other), tokenizer=str(write_sentencepiece(tmp_path / "sp.model")),
+            val_fraction=0.2)
+    r = run("qat_train.py", check=False, init_from=str(hf_dir), data_dir=str(other), out_dir=str(tmp_path / "o"),
+            **TRAIN)
+    assert r.returncode == 2 and "another tokenizer" in r.stderr, r.stderr[-2000:]
+    r = run("kd_train.py", check=False, init_from="scratch", preset="toy", teacher_init=str(hf_dir),
+            data_dir=str(other), out_dir=str(tmp_path / "k"), **{**TRAIN, "quantizer": "none"})
+    assert r.returncode == 2 and "teacher_init" in r.stderr and "another tokenizer" in r.stderr, r.stderr[-2000:]
