@@ -97,7 +97,7 @@ def speed(opt):
     data_dir = short_val_copy(opt.data_dir, os.path.join(out, "data"), opt.batch_size * opt.nproc * (opt.block_size + 1))
     common = dict(data_dir=data_dir, preset=opt.preset, batch_size=opt.batch_size, block_size=opt.block_size,
                   gradient_accumulation_steps=opt.nproc, max_iters=opt.warmup + opt.steps, log_interval=1,
-                  eval_interval=10 ** 9, eval_iters=1, ckpt_interval=10 ** 9, device=opt.device, group_size=opt.group_size,
+                  eval_interval=10 ** 9, eval_iters=1, ckpt_interval=10 ** 9, device=opt.device,
                   **shape)
     if opt.peak_flops:
         common["peak_flops_per_device"] = opt.peak_flops
@@ -111,11 +111,11 @@ def speed(opt):
             base = {**common, "dtype": dtype, "compile": bool(comp), "mixed_precision": False}
             variants += [
                 ((dtype, comp, "plain"), "qat_train.py", {**base, "quantizer": "none", "init_from": teacher}),
-                ((dtype, comp, "qat"), "qat_train.py", {**base, "quantizer": opt.quantizer, "init_from": teacher,
+                ((dtype, comp, "qat"), "qat_train.py", {**base, "quantizer": opt.quantizer, "group_size": opt.group_size, "init_from": teacher,
                                                          "ptq_baseline": False}),
                 ((dtype, comp, "kd"), "kd_train.py", {**base, "teacher_init": teacher, "init_from": teacher}),
                 ((dtype, comp, "qad"), "kd_train.py", {**base, "teacher_init": teacher, "init_from": teacher,
-                                                       "quantizer": opt.quantizer}),
+                                                       "quantizer": opt.quantizer, "group_size": opt.group_size}),
             ]
     times = {key: [] for key, _, _ in variants}  # seconds per timed step
     mfus = {key: [] for key, _, _ in variants}
@@ -169,7 +169,7 @@ def quality(opt):
     out = os.path.join(opt.out_dir, "quality")
     common = dict(data_dir=opt.data_dir, batch_size=opt.batch_size, block_size=opt.block_size, device=opt.device,
                   dtype=opt.dtype, mixed_precision=opt.dtype == "bfloat16", eval_interval=10 ** 9, eval_iters=1,
-                  log_interval=50, ckpt_interval=10 ** 9, gradient_accumulation_steps=opt.nproc, group_size=opt.group_size)
+                  log_interval=50, ckpt_interval=10 ** 9, gradient_accumulation_steps=opt.nproc)
     t_start = time.perf_counter()
     base_dir = os.path.join(out, "base")
     base_args = {**common, "preset": opt.preset, **shape_args(opt), "quantizer": "none", "max_iters": opt.base_iters,
@@ -196,10 +196,10 @@ def quality(opt):
         plain = summary(run("qat_train.py", {**ft, "quantizer": "none", "seed": seed}, plain_dir, opt.nproc, quiet=False))
         for s in schemes:
             ptq = summary(run("qat_train.py", {**common, "init_from": os.path.join(plain_dir, "ckpt.pt"),
-                                                "quantizer": s, "convert_only": True}, os.path.join(out, f"s{seed}_ptq_{s}"), opt.nproc))
-            qat = summary(run("qat_train.py", {**ft, "quantizer": s, "seed": seed}, os.path.join(out, f"s{seed}_qat_{s}"),
+                                                "quantizer": s, "group_size": opt.group_size, "convert_only": True}, os.path.join(out, f"s{seed}_ptq_{s}"), opt.nproc))
+            qat = summary(run("qat_train.py", {**ft, "quantizer": s, "group_size": opt.group_size, "seed": seed}, os.path.join(out, f"s{seed}_qat_{s}"),
                               opt.nproc, quiet=False))
-            qad = summary(run("kd_train.py", {**ft, "teacher_init": base_ckpt, "quantizer": s, "seed": seed,
+            qad = summary(run("kd_train.py", {**ft, "teacher_init": base_ckpt, "quantizer": s, "group_size": opt.group_size, "seed": seed,
                                               "kd_ratio": opt.qad_kd_ratio}, os.path.join(out, f"s{seed}_qad_{s}"), opt.nproc, quiet=False))
             r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"], "qat": qat["quant_val_loss"],
                  "qad": qad["quant_val_loss"], "fp_qat": qat["fp_val_loss"], "fp_qad": qad["fp_val_loss"]}

@@ -178,6 +178,13 @@ for name, path in (("init_from", resume_path if init_from == "resume" else init_
     if path != "scratch" and not os.path.exists(path):
         fail(f"{name}={globals()[name]!r}: {path} does not exist; give a nanotune checkpoint or a Meta / HF directory"
              + (" ('resume' needs a run in out_dir)" if path == resume_path else ""))
+# a setting that would be ignored in this mode is a mistake to point out, not to run with
+if quant_bits is None and (unused := [k for k in ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip") if k in overridden]):
+    fail(f"{', '.join(unused)} only matter with a quantizer, and quantizer='none'; set a quantizer or drop them")
+if not lora_rank and (unused := [k for k in ("lora_alpha", "lora_dropout", "lora_targets") if k in overridden]):
+    fail(f"{', '.join(unused)} only matter with LoRA, and lora_rank=0; set lora_rank or drop them")
+if kd_divergence != "jsd" and "jsd_beta" in overridden:
+    fail(f"jsd_beta only matters with kd_divergence='jsd', not {kd_divergence!r}")
 shape_overrides = [k for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "preset") if k in overridden]
 if init_from not in ("scratch", "resume") and shape_overrides:  # resume compares them with the checkpoint
     fail(f"{', '.join(shape_overrides)} shape a student built from scratch; init_from={init_from!r} carries its own shape")
@@ -832,3 +839,12 @@ if master_process:
     if wandb is not None:
         wandb.finish()
 dist.destroy_process_group()
+if torchrun:
+    # gloo's worker threads drop their last reference to a collective's tensors after the caller
+    # has moved on, and that takes the GIL: landing in interpreter shutdown, the thread is unwound
+    # through a noexcept destructor and the process aborts ("terminate called without an active
+    # exception") with all its work done. Everything is written and closed: skip the shutdown.
+    # (A plain `python` run may be one of several in one interpreter, as in the tests: it returns.)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

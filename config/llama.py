@@ -1,16 +1,19 @@
-# QAT finetune of Llama-2-7B on one node of 8 GPUs: int8 dynamic activations + int4 weights
-# (8da4w), bf16, activation checkpointing, fake quant switched on after a short warm start.
-# $ python data_prep.py --input my_corpus/ --tokenizer checkpoints/Llama-2-7b/tokenizer.model --out_dir data/llama2
+# QAT finetune of Llama-3.1-8B (or Llama-3-8B: point init_from at it) on one node of 8 GPUs:
+# int8 dynamic activations + int4 per-group weights (8da4w), bf16, activation checkpointing,
+# fake quant switched on after a short warm start. A Hugging Face directory as downloaded
+# (config.json, model-*.safetensors, tokenizer.json); the data is prepared with its tokenizer:
+# $ python data_prep.py --input my_corpus/ --tokenizer checkpoints/Llama-3.1-8B --out_dir data/llama3
 # $ torchrun --standalone --nproc_per_node 8 qat_train.py config/llama.py
-init_from = "checkpoints/Llama-2-7b"  # a Meta (params.json) or Hugging Face (config.json) directory
-data_dir = "data/llama2"  # prepared with the model's own tokenizer.model
-out_dir = "out/llama_qat"
+# Several nodes: torchrun --nnodes N --nproc_per_node 8 ... --replicate_degree=N (HSDP: shard in a node)
+init_from = "checkpoints/Llama-3.1-8B"  # a Hugging Face (config.json) or Meta (params.json) directory
+data_dir = "data/llama3"  # prepared with the model's own tokenizer (checked against it at start)
+out_dir = "out/llama3_qat"
 device = "cuda"
-dtype = "bfloat16"  # pure bf16, as torchtune's recipe; mixed_precision=True keeps fp32 master weights
+dtype = "bfloat16"  # pure bf16 as the reference recipe; mixed_precision=True keeps fp32 master weights
 compile = True
-activation_checkpointing = 1  # every block: 7B activations at 2 x 2048 tokens would not fit otherwise
+activation_checkpointing = 1  # every block: 8B activations at 2 x 2048 tokens would not fit otherwise
 quantizer = "8da4w"
-group_size = 32  # divides 4096 and 11008
+group_size = 32  # divides 4096 and 14336
 fake_quant_after_n_steps = 100  # let the finetune settle on the new data before weights are rounded
 batch_size = 2  # per GPU
 block_size = 2048
@@ -25,3 +28,4 @@ eval_interval = 100
 eval_iters = 20
 log_interval = 10
 ckpt_interval = 200
+export_format = "hf"  # the trained full-precision weights too, for transformers / vLLM / ExecuTorch

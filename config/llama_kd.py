@@ -1,10 +1,11 @@
-# Distill Llama-2-7B into TinyLlama-1.1B (both on the Llama 2 tokenizer) on 8 GPUs, training
-# LoRA adapters on every projection of the student.
+# Distill Llama-3.1-8B into Llama-3.2-1B (both on the Llama 3 tokenizer) on 8 GPUs, training
+# LoRA adapters on every projection of the student (its tied embeddings stay frozen and tied).
+# $ python data_prep.py --input my_corpus/ --tokenizer checkpoints/Llama-3.2-1B --out_dir data/llama3
 # $ torchrun --standalone --nproc_per_node 8 kd_train.py config/llama_kd.py
-teacher_init = "checkpoints/Llama-2-7b"  # Meta or Hugging Face directory
-init_from = "checkpoints/TinyLlama-1.1B"  # the student, e.g. TinyLlama/TinyLlama_v1.1 in HF layout
-data_dir = "data/llama2"
-out_dir = "out/llama_kd"
+teacher_init = "checkpoints/Llama-3.1-8B"  # Hugging Face or Meta directory
+init_from = "checkpoints/Llama-3.2-1B"  # the student
+data_dir = "data/llama3"
+out_dir = "out/llama3_kd"
 device = "cuda"
 dtype = "bfloat16"
 compile = True

@@ -1,10 +1,10 @@
-# Quantization-aware self-distillation (QAD) of Llama-2-7B on 8 GPUs: the 8da4w fake-quantized
+# Quantization-aware self-distillation (QAD) of Llama-3.1-8B on 8 GPUs: the 8da4w fake-quantized
 # student learns from the full-precision model's own distribution instead of (only) the labels.
 # $ torchrun --standalone --nproc_per_node 8 kd_train.py config/llama_qad.py
-teacher_init = "checkpoints/Llama-2-7b"
-init_from = "checkpoints/Llama-2-7b"  # the same weights: the teacher is the student before rounding
-data_dir = "data/llama2"
-out_dir = "out/llama_qad"
+teacher_init = "checkpoints/Llama-3.1-8B"
+init_from = "checkpoints/Llama-3.1-8B"  # the same weights: the teacher is the student before rounding
+data_dir = "data/llama3"
+out_dir = "out/llama3_qad"
 device = "cuda"
 dtype = "bfloat16"
 compile = True

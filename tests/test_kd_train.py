@@ -422,6 +422,9 @@ def misc_runs(setup, tmp_path_factory):
         "adapter_only_without_lora": dict(common, save_adapter_only=True),
         "student_vocab": dict(common, init_from=big_vocab),
         "teacher_vocab": dict(common, teacher_init=small_vocab),
+        "lora_setting_without_lora": dict(common, lora_alpha=8.0),
+        "jsd_beta_without_jsd": dict(common, jsd_beta=0.3),
+        "group_size_without_quantizer": dict(common, group_size=64),
     }
     for name, s in cases.items():
         s["out_dir"] = str(out / name)
@@ -454,6 +457,9 @@ ERRORS = {
     "adapter_only_without_lora": "save_adapter_only=True needs LoRA",
     "student_vocab": "the student has 2000 vocabulary rows",
     "teacher_vocab": "the teacher has only 200",
+    "lora_setting_without_lora": "lora_alpha only matter with LoRA",
+    "jsd_beta_without_jsd": "jsd_beta only matters with kd_divergence='jsd'",
+    "group_size_without_quantizer": "group_size only matter with a quantizer",
 }
 
 

@@ -263,6 +263,34 @@ def test_resume_refuses_other_data(train, tmp_path):
 # -----------------------------------------------------------------------------
 # conversion and PTQ
 
+def test_lora_checkpoint_is_merged_and_labels_follow_what_ran(train, data, tmp_path):
+    # a LoRA model (kd_train.py's kind) is QAT-converted as what it computes, W + scale * B @ A
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=256,
+                     lora_rank=4, lora_targets=("wq", "wv"))
+    lora = Transformer(args)
+    lora.init_weights(seed=3)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, 0.05)  # adapters that change the output
+    torch.save({"model": lora.state_dict(), "model_args": vars(args)}, tmp_path / "lora.pt")
+    out = tmp_path / "lora_out"
+    r = run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(tmp_path / "lora.pt"),
+                       "convert_only": True, "quantizer": "8da4w"})
+    assert "merged" in r.stdout
+    s = summary(read_log(out))
+    assert s["fp_val_loss"] == pytest.approx(full_val_loss(lora.eval(), data, BASE["block_size"]), rel=1e-5)
+    assert s["method"] == "ptq"  # never trained under fake quant
+    # a QAT checkpoint converted to another scheme is PTQ of those weights, not QAT; a directory
+    # holding a QAT checkpoint is QAT
+    qat = train(**QAT)
+    for quantizer, init, method in (("8da2w", qat / "ckpt.pt", "ptq"), ("8da4w", qat, "qat")):
+        o = tmp_path / f"conv_{quantizer}"
+        run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": o, "init_from": str(init), "convert_only": True,
+                       "quantizer": quantizer, "group_size": 32})
+        assert summary(read_log(o))["method"] == method, (quantizer, init)
+
+
 def test_converted_model_matches_fake_quantized_model(train, data):
     out = train(**QAT)
     q = torch.load(out / "quantized.pt", weights_only=False)
@@ -425,6 +453,7 @@ def test_errors(train, data, tmp_path):
         "shape with a checkpoint": (dict(init_from=str(train() / "ckpt.pt"), n_layer=3), {}, ["n_layer", "init_from"]),
         "quant_skip prefix": (dict(quantizer="8da4w", quant_skip=("layers.1", "lm_head")), {}, ["['lm_head']"]),
         "zero batch": (dict(batch_size=0), {}, ["batch_size=0", "positive"]),
+        "quant setting without quantizer": (dict(fake_quant_after_n_steps=5), {}, ["fake_quant_after_n_steps", "quantizer='none'"]),
     }
 
     runs = [({**(BASE if settings.get("init_from", "resume") == "resume" else FINETUNE), "data_dir": data,
