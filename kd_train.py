@@ -23,14 +23,17 @@ import math
 import os
 import re
 import resource
+import shutil
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 from functools import lru_cache
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._composable import checkpoint as activation_checkpoint
@@ -64,6 +67,9 @@ eval_interval = 100  # steps between validation estimates
 eval_iters = 20  # batches per validation estimate; the final evaluation uses the whole split
 log_interval = 10  # steps between log lines (the only steps that sync with the device)
 ckpt_interval = 500  # steps between checkpoints; one is always written at the end
+# each process writes its own shards of model and optimizer to out_dir/ckpt/ (torch.distributed.checkpoint)
+# instead of rank 0 gathering everything into ckpt.pt: for models whose training state outgrows one host
+sharded_checkpoint = False
 save_adapter_only = False  # with LoRA: save the adapters alone, not the merged student
 export_format = "none"  # also write the merged student as a 'meta' or 'hf' directory ('none': no)
 wandb_log = False  # also log to Weights & Biases (imported only then)
@@ -173,7 +179,22 @@ if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
 if lora_rank and init_from == "scratch":
     fail("lora_rank > 0 trains adapters on frozen weights; give a pretrained student with init_from, or set lora_rank=0")
-resume_path = os.path.join(out_dir, "ckpt.pt")
+
+
+def sharded_dir(path):
+    """The sharded checkpoint `path` names (itself or its ckpt/), or None. ckpt.old/ is the previous
+    one, left alone only by a crash between the two renames of a save."""
+    for d in (path, os.path.join(path, "ckpt"), os.path.join(path, "ckpt.old")):
+        if os.path.isfile(os.path.join(d, "state.pt")) and os.path.isfile(os.path.join(d, ".metadata")):
+            return d
+    return None
+
+
+# one line that turns a sharded checkpoint into the single-file format every reader knows
+TO_SINGLE_FILE = ("python -c \"from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+                  "dcp_to_torch_save('{0}', '{0}.pt')\"")
+resume_path = sharded_dir(out_dir) or os.path.join(out_dir, "ckpt.pt")
+sharded_from = resume_path if init_from == "resume" and sharded_dir(resume_path) else None
 for name, path in (("init_from", resume_path if init_from == "resume" else init_from), ("teacher_init", teacher_init)):
     if path != "scratch" and not os.path.exists(path):
         fail(f"{name}={globals()[name]!r}: {path} does not exist; give a nanotune checkpoint or a Meta / HF directory"
@@ -216,6 +237,8 @@ def tokenizer_of(path, ckpt):
 
 
 def load_or_fail(name, path):
+    if d := sharded_dir(path):  # only a resume reads shards: a teacher or student is one file here
+        fail(f"{name}={path!r} is a sharded checkpoint; convert it with {TO_SINGLE_FILE.format(d)} and give {name}={d + '.pt'!r}")
     try:  # mmap: the weights are paged in as they are copied out; only rank 0 broadcasts them,
         # the other ranks need the shapes alone
         args, state = load_checkpoint(path, weights=master_process)
@@ -237,8 +260,9 @@ def load_or_fail(name, path):
 init_state, ckpt = None, {}
 if init_from == "resume":
     # our own checkpoint: model (adapters included), optimizer and position
-    ckpt = torch.load(resume_path, map_location="cpu", mmap=True, weights_only=True)
-    model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt["model"]
+    ckpt = torch.load(os.path.join(sharded_from, "state.pt") if sharded_from else resume_path,
+                      map_location="cpu", mmap=True, weights_only=True)
+    model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt.get("model")  # sharded: read later
     # these decide which batches a step sees, what is trained, or what the weights were trained for
     same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init", "lora_rank",
             "preset", "n_layer", "n_head", "n_kv_head", "n_embd",
@@ -480,7 +504,7 @@ def lora_init_state():
 
 # weights: rank 0 holds each full state dict (a fresh init, or the mmapped checkpoint) and
 # broadcasts it; each rank keeps only its shards
-if master_process:
+if master_process and not sharded_from:
     if init_state is None:
         init_model = Transformer(model_args)
         init_model.init_weights(seed=seed)
@@ -488,7 +512,8 @@ if master_process:
     elif lora_rank and init_from != "resume":
         init_state = {**to_lora_keys(init_state, model), **lora_init_state()}
 broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-set_model_state_dict(model, init_state if master_process else {}, options=broadcast)
+if not sharded_from:  # a sharded checkpoint is read after the optimizer exists, with its state
+    set_model_state_dict(model, init_state if master_process else {}, options=broadcast)
 set_model_state_dict(teacher, teacher_state if master_process else {}, options=broadcast)
 del init_state, teacher_state
 teacher.eval()
@@ -501,9 +526,18 @@ optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=device_type == "cuda")
 iter_num = 0
+if sharded_from:
+    # every rank reads the pieces of its own shards, whatever number of processes wrote them
+    # (torch.distributed.checkpoint reshards)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=sharded_from)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    del state
 if init_from == "resume":
     iter_num = ckpt["iter_num"]
-    set_optimizer_state_dict(model, optimizer, ckpt["optimizer"] if master_process else {}, options=broadcast)
+    if not sharded_from:
+        set_optimizer_state_dict(model, optimizer, ckpt["optimizer"] if master_process else {}, options=broadcast)
     if rank < len(ckpt["rng"]):  # a resume on more processes than before keeps fresh states on the new ones
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
         if device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
@@ -639,18 +673,53 @@ def atomic_save(obj, path):
     os.replace(tmp, path)
 
 
+def fsync_dir(path):
+    # a rename is durable only once the directory holding it is flushed
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint():
-    model_sd = full_state_dict(model)
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """ckpt.pt, gathered on rank 0; or (sharded_checkpoint) the directory ckpt/, to which every rank
+    writes its shards, with the small things also in ckpt/state.pt. Either way a crash at any
+    moment leaves the previous checkpoint loadable, and the other format's is removed afterwards."""
     rngs = [None] * world_size
     dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None})
+    small = {"model_args": vars(model_args).copy(), "iter_num": iter_num, "epoch": iter_num // steps_per_epoch,
+             "config": config, "quantizer": quantizer, "group_size": group_size,
+             "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1), "teacher_init": teacher_init,
+             "teacher_val_loss": teacher_val_loss, "tokenizer": data_tokenizer, "data": data_meta.get("data"), "rng": rngs}
+    single, sharded, tmp, old = (os.path.join(out_dir, n) for n in ("ckpt.pt", "ckpt", "ckpt.tmp", "ckpt.old"))
+    if not sharded_checkpoint:
+        model_sd = full_state_dict(model)
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if master_process:
+            atomic_save({"model": model_sd, "optimizer": optim_sd, **small}, single)
+            shutil.rmtree(sharded, ignore_errors=True)
+        return
     if master_process:
-        atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
-                     "iter_num": iter_num, "epoch": iter_num // steps_per_epoch, "config": config,
-                     "quantizer": quantizer, "group_size": group_size, "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
-                     "teacher_init": teacher_init, "teacher_val_loss": teacher_val_loss, "tokenizer": data_tokenizer,
-                     "data": data_meta.get("data"), "rng": rngs}, os.path.join(out_dir, "ckpt.pt"))
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written directory
+    dist.barrier()
+    # the small things go in too, so that dcp_to_torch_save turns the directory into a whole ckpt.pt;
+    # DCP fsyncs each file it writes, and returns once rank 0 has written the index (.metadata)
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer), **small},
+             checkpoint_id=tmp)
+    if master_process:
+        atomic_save(small, os.path.join(tmp, "state.pt"))
+        # a directory cannot replace another in one rename: the previous one steps aside to
+        # ckpt.old, which sharded_dir reads if a crash comes between the two renames
+        if os.path.isdir(sharded):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(sharded, old)
+        os.replace(tmp, sharded)
+        fsync_dir(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(single):
+            os.remove(single)
 
 
 log_file = None
@@ -782,8 +851,8 @@ set_fake_quant(model, False)
 fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss),
            "teacher_val_loss": teacher_val_loss, "quant_val_loss": None}
-del optimizer, params, decay, no_decay  # make room: with a quantizer every rank gathers the whole student
-state = full_state_dict(model, to_cpu=quant_bits is None)  # every rank needs it to convert
+del optimizer, params, decay, no_decay  # make room: rank 0 gathers the whole student
+state = full_state_dict(model)  # rank 0 alone ends up with it, in host memory
 merged_args = ModelArgs(**{**vars(model_args), "lora_rank": 0})
 if master_process:
     cpu_state = {k: v.cpu() for k, v in state.items()}
@@ -802,24 +871,41 @@ if master_process:
         export_hf(merged, merged_args, os.path.join(out_dir, "export_hf"), tokenizer_files, data_meta.get("bos_id"),
                   data_meta.get("eos_id"), provenance)
 if quant_bits is not None:
-    # every rank converts its own copy and evaluates its share of the split; torchao's
-    # quantized tensors are not shardable by FSDP, and the converted model is small
+    # Conversion runs on rank 0 alone: torchao's quantized tensors are not shardable by FSDP, and a
+    # copy converted on every rank is that many times the work and the memory. Rank 0 converts in
+    # the compute dtype on its device and evaluates every window of the split; the others wait on a
+    # CPU (gloo) group whose timeout outlasts that. The memory arithmetic is qat_train.py's.
     del model, teacher
-    with torch.device("meta"):
-        qmodel = Transformer(model_args)
-    qmodel.load_state_dict({k: v.to(ptdtype) for k, v in state.items()}, assign=True)  # the compute dtype
-    del state
-    qmodel.reset_buffers(device)
-    qmodel.to(device)
+    wait_group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
     # QAD only if the student was trained under fake quant: in this run's last step, or (no step
     # taken here) in the resumed checkpoint's; else the same scheme is plain rounding (PTQ)
     qad_trained = fake_quant_on(iter_num - 1) if iter_num > start_iter else ckpt_fake_quant
-    if qad_trained:  # QATConfig's convert step on the prepared model
-        quantize_model(qmodel, "prepare")
-        quantize_model(qmodel, "convert")
-    else:
-        quantize_model(qmodel, "ptq")
-    quant_val_loss = evaluate(qmodel, full=True)
+    result = [None]
+    if master_process:
+        with torch.device("meta"):
+            qmodel = Transformer(model_args)
+        for k in state:  # one tensor at a time into the compute dtype
+            state[k] = state[k].to(ptdtype)
+        qmodel.load_state_dict(state, assign=True)
+        del state
+        qmodel.reset_buffers(device)
+        qmodel.to(device)
+        if qad_trained:  # QATConfig's convert step on the prepared model
+            quantize_model(qmodel, "prepare")
+            quantize_model(qmodel, "convert")
+        else:
+            quantize_model(qmodel, "ptq")
+        qmodel.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, target count)
+        with torch.no_grad():
+            for windows in tqdm(torch.arange(math.ceil(n_targets["val"] / block_size)).split(batch_size), desc="eval", leave=False):
+                x, y, pos = get_batch("val", windows)
+                sums[0] += qmodel(x, y, reduction="sum", loss_chunk=loss_chunk, input_pos=pos).double()
+                sums[1] += (y != IGNORE_INDEX).sum()
+        total, count = sums.tolist()
+        result = [total / max(count, 1)]
+    dist.broadcast_object_list(result, src=0, group=wait_group)
+    quant_val_loss = result[0]
     summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss), method="qad" if qad_trained else "ptq",
                    quantizer=quantizer, group_size=group_size)
     if master_process:

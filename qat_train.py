@@ -22,14 +22,17 @@ import math
 import os
 import re
 import resource
+import shutil
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 from functools import lru_cache
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed._composable import checkpoint as activation_checkpoint
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -60,6 +63,9 @@ eval_interval = 100  # steps between validation estimates
 eval_iters = 20  # batches per validation estimate; the final evaluation uses the whole split
 log_interval = 10  # steps between log lines (the only steps that sync with the device)
 ckpt_interval = 500  # steps between checkpoints; one is always written at the end
+# each process writes its own shards of model and optimizer to out_dir/ckpt/ (torch.distributed.checkpoint)
+# instead of rank 0 gathering everything into ckpt.pt: for models whose training state outgrows one host
+sharded_checkpoint = False
 export_format = "none"  # also write the trained full-precision model as an 'hf' or 'meta' directory
 wandb_log = False  # also log to Weights & Biases (imported only then)
 wandb_project = "nanotune"
@@ -156,7 +162,22 @@ if world_size % replicate_degree:
     fail(f"replicate_degree={replicate_degree} must divide the {world_size} processes")
 if convert_only and (init_from == "scratch" or quant_bits is None):
     fail("convert_only=True needs trained weights (init_from) and a quantizer, e.g. --quantizer=8da4w")
-resume_path = os.path.join(out_dir, "ckpt.pt") if init_from == "resume" else init_from
+
+
+def sharded_dir(path):
+    """The sharded checkpoint `path` names (itself or its ckpt/), or None. ckpt.old/ is the previous
+    one, left alone only by a crash between the two renames of a save."""
+    for d in (path, os.path.join(path, "ckpt"), os.path.join(path, "ckpt.old")):
+        if os.path.isfile(os.path.join(d, "state.pt")) and os.path.isfile(os.path.join(d, ".metadata")):
+            return d
+    return None
+
+
+# one line that turns a sharded checkpoint into the single-file format every reader knows
+TO_SINGLE_FILE = ("python -c \"from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+                  "dcp_to_torch_save('{0}', '{0}.pt')\"")
+resume_path = (sharded_dir(out_dir) or os.path.join(out_dir, "ckpt.pt")) if init_from == "resume" else init_from
+sharded_from = sharded_dir(resume_path) if init_from != "scratch" else None  # weights read shard by shard
 if init_from != "scratch" and not os.path.exists(resume_path):
     fail(f"init_from={init_from!r}: {resume_path} does not exist; give 'scratch', 'resume' (after a run in out_dir) or a checkpoint")
 # a setting that would be ignored in this mode is a mistake to point out, not to run with
@@ -198,6 +219,12 @@ if init_from == "scratch":
     for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
         shape[key] = value or shape.get(key)
     model_args = ModelArgs(**shape)
+elif sharded_from:  # the small things now; every rank reads its shards once the model is sharded
+    ckpt = torch.load(os.path.join(sharded_from, "state.pt"), map_location="cpu", weights_only=True)
+    model_args = ModelArgs.from_dict(ckpt["model_args"])
+    if model_args.lora_rank:
+        fail(f"{sharded_from} holds LoRA adapters, which are merged from a single file only; convert it with "
+             f"{TO_SINGLE_FILE.format(sharded_from)} and give init_from={sharded_from + '.pt'!r}")
 else:
     try:  # only rank 0 broadcasts the weights (memory-mapped); the others need the shapes alone
         model_args, init_state = load_checkpoint(resume_path, weights=master_process)
@@ -206,6 +233,7 @@ else:
     ckpt_file = resume_path if os.path.isfile(resume_path) else os.path.join(resume_path, "ckpt.pt")
     if os.path.isfile(ckpt_file):  # a nanotune checkpoint: resume also takes its optimizer and position
         ckpt = torch.load(ckpt_file, map_location="cpu", mmap=True, weights_only=True)
+if init_from != "scratch":
     if data_tokenizer and (theirs := tokenizer_of(resume_path, ckpt)) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{resume_path} was trained with another tokenizer than the data in {data_dir} ({diff}); "
              f"prepare the data with the model's own tokenizer")
@@ -410,12 +438,13 @@ model.reset_buffers(device)
 
 # weights: rank 0 holds the full state dict (a fresh init, or the mmapped checkpoint) and
 # broadcasts it; each rank keeps only its shards
-if master_process and init_state is None:
+if master_process and init_state is None and not sharded_from:
     init_model = Transformer(model_args)
     init_model.init_weights(seed=seed)
     init_state = init_model.state_dict()
-set_model_state_dict(model, init_state if master_process else {},
-                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+if not sharded_from:  # a sharded checkpoint is read after the optimizer exists, with its state
+    set_model_state_dict(model, init_state if master_process else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 del init_state
 
 # -----------------------------------------------------------------------------
@@ -432,10 +461,22 @@ else:
                                      {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], **opt_kw)]
 
 iter_num = 0
+if sharded_from:
+    # every rank reads the pieces of its own shards, whatever number of processes wrote them
+    # (torch.distributed.checkpoint reshards); the optimizer's state only to resume
+    state = {"model": get_model_state_dict(model)}
+    if init_from == "resume":
+        state["optimizer"] = get_optimizer_state_dict(model, optimizers)
+    dcp.load(state, checkpoint_id=sharded_from)
+    set_model_state_dict(model, state["model"])
+    if init_from == "resume":
+        set_optimizer_state_dict(model, optimizers, state["optimizer"])
+    del state
 if init_from == "resume":
     iter_num = ckpt["iter_num"]
-    set_optimizer_state_dict(model, optimizers, ckpt["optimizer"] if master_process else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if not sharded_from:
+        set_optimizer_state_dict(model, optimizers, ckpt["optimizer"] if master_process else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if rank < len(ckpt["rng"]):  # a resume on more processes than before keeps fresh states on the new ones
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
         if device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
@@ -492,21 +533,55 @@ def full_state_dict(m, to_cpu=True):
     return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=to_cpu))
 
 
+# Conversion runs on rank 0 alone: torchao's quantized tensors are not shardable by FSDP, and
+# converting a copy on every rank is that many times the work and the memory. Rank 0 gathers the
+# weights to host memory in the compute dtype, converts them on its device and evaluates the whole
+# split; the others wait on a CPU (gloo) group whose timeout outlasts that evaluation. Peak per
+# rank for Llama-3.1-8B on 8 x 80 GB (bf16 compute): rank 0 holds 16 GB of gathered bf16 weights in
+# host memory (32 GB for a moment with mixed_precision's fp32 gather), and on its GPU its training
+# shards (the final conversion frees them first) plus the bf16 model being converted (16 GB,
+# shrinking to ~9 GB as each linear becomes int8 codes + scales) plus inference activations:
+# ~26 GB, below training's ~50 GB per GPU (README, "Memory"). The other ranks hold nothing more.
+wait_group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
+
+
+def gathered_state():
+    """The full state dict in the compute dtype on rank 0's host (None elsewhere): a collective."""
+    state = full_state_dict(model)
+    if not master_process:
+        return None
+    for k in state:  # one tensor at a time, so the fp32 gather and its bf16 copy never coexist whole
+        state[k] = state[k].to(ptdtype)
+    return state
+
+
 def convert_and_evaluate(state, after_qat):
-    """Builds a plain model from a full state dict, converts it to real low-bit weights and
-    returns (its full validation loss, the model). Every rank converts its own copy and evaluates
-    its share of the split: torchao's quantized tensors are not shardable by FSDP."""
-    with torch.device("meta"):
-        qm = Transformer(model_args)
-    qm.load_state_dict(state, assign=True)
-    qm.reset_buffers(device)
-    qm.to(device)
-    if after_qat:  # QATConfig's convert step on the prepared model
-        quantize_model(qm, "prepare")
-        quantize_model(qm, "convert")
-    else:  # the same scheme on weights trained without fake quant: post-training quantization
-        quantize_model(qm, "ptq")
-    return evaluate(qm, full=True), qm
+    """On rank 0, which holds `state`: builds a plain model from it, converts it to real low-bit
+    weights and evaluates it on every window of the validation split. Returns (that loss, on every
+    rank; the model, on rank 0 only)."""
+    qm, result = None, [None]
+    if master_process:
+        with torch.device("meta"):
+            qm = Transformer(model_args)
+        qm.load_state_dict(state, assign=True)
+        qm.reset_buffers(device)
+        qm.to(device)
+        if after_qat:  # QATConfig's convert step on the prepared model
+            quantize_model(qm, "prepare")
+            quantize_model(qm, "convert")
+        else:  # the same scheme on weights trained without fake quant: post-training quantization
+            quantize_model(qm, "ptq")
+        qm.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, target count)
+        with torch.no_grad():
+            for windows in tqdm(torch.arange(math.ceil(n_targets["val"] / block_size)).split(batch_size), desc="eval", leave=False):
+                x, y, pos = get_batch("val", windows)
+                sums[0] += qm(x, y, reduction="sum", loss_chunk=loss_chunk, input_pos=pos).double()
+                sums[1] += (y != IGNORE_INDEX).sum()
+        total, count = sums.tolist()
+        result = [total / max(count, 1)]
+    dist.broadcast_object_list(result, src=0, group=wait_group)
+    return result[0], qm
 
 
 def atomic_save(obj, path):
@@ -519,20 +594,54 @@ def atomic_save(obj, path):
     os.replace(tmp, path)
 
 
+def fsync_dir(path):
+    # a rename is durable only once the directory holding it is flushed
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint():
-    model_sd = full_state_dict(model)
-    optim_sd = get_optimizer_state_dict(model, optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """ckpt.pt, gathered on rank 0; or (sharded_checkpoint) the directory ckpt/, to which every rank
+    writes its shards, with the small things also in ckpt/state.pt. Either way a crash at any
+    moment leaves the previous checkpoint loadable, and the other format's is removed afterwards."""
     rngs = [None] * world_size
     dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None})
+    small = {"model_args": vars(model_args).copy(), "iter_num": iter_num, "epoch": iter_num // max(steps_per_epoch, 1),
+             "config": config, "quantizer": quantizer, "group_size": group_size,
+             # how these weights were trained (the last step taken), as ckpt_fake_quant reads it
+             "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
+             "tokenizer": data_tokenizer, "data": data_meta.get("data"), "rng": rngs}
+    single, sharded, tmp, old = (os.path.join(out_dir, n) for n in ("ckpt.pt", "ckpt", "ckpt.tmp", "ckpt.old"))
+    if not sharded_checkpoint:
+        model_sd = full_state_dict(model)
+        optim_sd = get_optimizer_state_dict(model, optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if master_process:
+            atomic_save({"model": model_sd, "optimizer": optim_sd, **small}, single)
+            shutil.rmtree(sharded, ignore_errors=True)
+        return
     if master_process:
-        atomic_save({"model": model_sd, "optimizer": optim_sd, "model_args": vars(model_args).copy(),
-                     "iter_num": iter_num, "epoch": iter_num // max(steps_per_epoch, 1), "config": config,
-                     "quantizer": quantizer, "group_size": group_size,
-                     # how these weights were trained (the last step taken), as ckpt_fake_quant reads it
-                     "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
-                     "tokenizer": data_tokenizer, "data": data_meta.get("data"),
-                     "rng": rngs}, os.path.join(out_dir, "ckpt.pt"))
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written directory
+    dist.barrier()
+    # the small things go in too, so that dcp_to_torch_save turns the directory into a whole ckpt.pt;
+    # DCP fsyncs each file it writes, and returns once rank 0 has written the index (.metadata)
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers), **small},
+             checkpoint_id=tmp)
+    if master_process:
+        atomic_save(small, os.path.join(tmp, "state.pt"))
+        # a directory cannot replace another in one rename: the previous one steps aside to
+        # ckpt.old, which sharded_dir reads if a crash comes between the two renames
+        if os.path.isdir(sharded):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(sharded, old)
+        os.replace(tmp, sharded)
+        fsync_dir(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(single):
+            os.remove(single)
 
 
 log_file = None
@@ -585,9 +694,7 @@ if ptq_baseline and quant_bits is not None and init_from not in ("scratch", "res
     # dtype the final conversion uses
     set_fake_quant(model, False)
     baseline = {"init_fp_val_loss": evaluate(model, full=True)}
-    state = {k: v.to(ptdtype) for k, v in full_state_dict(model, to_cpu=False).items()}
-    baseline["init_ptq_val_loss"] = convert_and_evaluate(state, after_qat=False)[0]
-    del state
+    baseline["init_ptq_val_loss"] = convert_and_evaluate(gathered_state(), after_qat=False)[0]
     log({"iter": iter_num, **baseline})
     if master_process:
         print(f"start: val loss {baseline['init_fp_val_loss']:.4f} full precision, {baseline['init_ptq_val_loss']:.4f} after PTQ {quantizer}")
@@ -683,9 +790,9 @@ if quant_bits is not None:
     # QAT only if the weights were trained under this fake quantization: in this run's last
     # step, or (no step taken here) in the loaded checkpoint's
     qat_trained = fake_quant_on(iter_num - 1) if iter_num > start_iter else ckpt_fake_quant
-    # make room first: every rank gathers the whole model (in the compute dtype) and converts it
+    # make room first: rank 0 gathers the whole model (in the compute dtype) and converts it
     del optimizers, params
-    state = {k: v.to(ptdtype) for k, v in full_state_dict(model, to_cpu=False).items()}
+    state = gathered_state()
     del model
     quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained)
     del state

@@ -29,3 +29,5 @@ eval_iters = 20
 log_interval = 10
 ckpt_interval = 200
 export_format = "hf"  # the trained full-precision weights too, for transformers / vLLM / ExecuTorch
+# each process writes its own shards: an 8B model with AdamW state is 48-96 GB in one file
+sharded_checkpoint = True
