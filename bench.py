@@ -14,6 +14,9 @@ $ python bench.py quality
 $ python bench.py quality --preset tiny --base_iters 2000 --ft_iters 300 --seeds 3 --device cuda
 $ python bench.py quality --base_ckpt out/bench/quality/base/ckpt.pt --schemes 8da2w --qad_kd_ratio 0.5 --kd_iters 0
 
+Memory plan per rank, from the shapes alone (nothing allocated; seconds):
+$ python bench.py memory --preset llama3.1-8b --nproc 8 --batch_size 2 --block_size 2048
+
 Speed: every variant (plain step, QAT step, KD step, QAD step; eager and compiled; each dtype)
 runs for a few steps with a log line per step; the median step after warmup gives ms/step and
 tokens/s. Variants are interleaved in rounds so that a busy moment on a shared machine hits them
@@ -38,8 +41,9 @@ import sys
 import time
 
 import numpy as np
+import torch
 
-from model import PRESETS
+from model import LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # torchtune 0.6.1's qat_distributed, tokens/s per rank at the shape of --preset torchtune, 2 ranks,
@@ -253,6 +257,76 @@ def quality(opt):
     write(opt, "quality", report, results)
 
 
+# -----------------------------------------------------------------------------
+def activation_bytes(args, c, qat=False):
+    """Bytes autograd keeps per token for one transformer block's backward, c bytes per element of
+    the compute dtype: per token (B*T of them) and per block (the fake-quantized weights QAT's
+    forward keeps). Counted with saved_tensors_hooks on CPU (float32 and bfloat16, torch 2.13,
+    SDPA's fused kernel: no T x T attention matrix, as on GPUs) and exact there for plain
+    training; the QAT terms are a fit to float32 measurements (within 2%). tests/test_bench.py
+    measures them again."""
+    d, q, kv, h = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
+    # the block's input, norms' outputs, q, k, v and their RoPE'd copies, the attention output,
+    # w1/w3/silu/product; bf16 runs also keep the fp32 intermediates of RMSNorm and RoPE;
+    # attention's log-sum-exp and the norms' reciprocal RMS in fp32
+    per_token = c * (4 * d + 4 * q + 2 * kv + 4 * h) + (2 * (d + q) if c == 2 else 0) + 4 * args.n_heads + 8
+    per_block = 0
+    if qat:  # each linear's fake-quantized input, and two weight-sized tensors per linear weight
+        per_token += c * (5 * (d + q) + h)
+        per_block = 2 * c * (2 * d * q + 2 * d * kv + 3 * d * h)
+    return per_token, per_block
+
+
+def memory_plan(args, nproc, batch_size, block_size, dtype, mixed_precision=False, activation_checkpointing=False,
+                qat=False, replicate_degree=1):
+    """Per-rank bytes of one training step with FSDP2 sharding over nproc / replicate_degree
+    processes, from the shapes alone (a model on the meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    n_params = sum(p.numel() for p in model.parameters())  # a tied output is counted once
+    block_params = sum(p.numel() for p in model.layers[0].parameters())
+    shard = nproc // replicate_degree
+    c = 4 if dtype == "float32" else 2  # compute dtype
+    master = 4 if dtype == "float32" or mixed_precision else 2  # parameters, gradients, AdamW moments
+    tokens = batch_size * block_size
+    per_token, per_block = activation_bytes(args, c, qat)
+    L = args.n_layers
+    if activation_checkpointing:  # each block's input, plus one block recomputed at a time
+        acts = L * tokens * c * args.dim + tokens * per_token + per_block
+    else:
+        acts = L * (tokens * per_token + per_block)
+    chunk = min(tokens, LOGITS_PER_CHUNK // args.vocab_size)
+    return {
+        "parameters": n_params * master / shard,
+        "gradients": n_params * master / shard,
+        "optimizer": 2 * n_params * master / shard,
+        # FSDP gathers a block (and prefetches the next) in the compute dtype; the root keeps the
+        # output layer gathered through forward and backward
+        "gathered weights": 2 * block_params * c + args.vocab_size * args.dim * c,
+        "activations": acts,
+        # the final hidden states, and one chunk of fp32 logits with their gradient
+        "loss": tokens * args.dim * c + 2 * chunk * args.vocab_size * 4,
+    }
+
+
+def memory(opt):
+    args = ModelArgs(**{**PRESETS[opt.preset], **{k: v for k, v in (("n_layers", opt.n_layer), ("dim", opt.n_embd),
+                        ("n_heads", opt.n_head), ("n_kv_heads", opt.n_kv_head)) if v is not None}})
+    rows = ["| dtype | activation checkpointing | QAT | parameters | gradients | AdamW | gathered | activations | loss | total per rank |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for dtype, mixed in (("bfloat16", True), ("bfloat16", False)):
+        for ac in (False, True):
+            plan = memory_plan(args, opt.nproc, opt.batch_size, opt.block_size, dtype, mixed, ac, opt.quantizer != "none",
+                               opt.replicate_degree)
+            gb = {k: v / 2 ** 30 for k, v in plan.items()}
+            rows.append(f"| {'bf16 + fp32 master' if mixed else 'bf16'} | {'every block' if ac else 'off'} | "
+                        f"{opt.quantizer} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + f" | **{sum(gb.values()):.1f}** |")
+    report = (f"Memory plan, GiB per rank: {opt.preset}, {opt.nproc} process(es) (shards of {opt.nproc // opt.replicate_degree}), "
+              f"batch {opt.batch_size} x {opt.block_size} per process; allocator overhead and CUDA context not included\n\n"
+              + "\n".join(rows) + "\n")
+    write(opt, f"memory_{opt.preset}_{opt.nproc}", report, {"options": vars(opt)})
+
+
 def write(opt, name, report, data):
     os.makedirs(opt.out_dir, exist_ok=True)
     with open(os.path.join(opt.out_dir, f"{name}.md"), "w") as f:
@@ -265,7 +339,7 @@ def write(opt, name, report, data):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=("speed", "quality"))
+    p.add_argument("mode", choices=("speed", "quality", "memory"))
     p.add_argument("--data_dir", default="data/stdlib")
     p.add_argument("--out_dir", default="out/bench")
     p.add_argument("--device", default="cpu")
@@ -279,6 +353,7 @@ if __name__ == "__main__":
     p.add_argument("--block_size", type=int, default=128)
     p.add_argument("--group_size", type=int, default=32)
     p.add_argument("--peak_flops", type=float, help="per-device peak FLOP/s, overriding the measured or table value")
+    p.add_argument("--replicate_degree", type=int, default=1, help="memory: HSDP replicas (shards over nproc / this)")
     # speed
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--compile", default="0,1", help="compile modes to run: 0 eager, 1 compiled")
@@ -309,6 +384,8 @@ if __name__ == "__main__":
         p.error("--n_layer/--n_embd/--n_head/--n_kv_head shape a new base model; --base_ckpt carries its own shape")
     if opt.preset not in PRESETS:
         p.error(f"--preset {opt.preset!r} is unknown; choose from {sorted(PRESETS)} or 'torchtune'")
+    if opt.mode == "memory":
+        sys.exit(memory(opt))
     if not os.path.exists(os.path.join(opt.data_dir, "meta.json")):
         p.error(f"{opt.data_dir} has no prepared data; run python data_prep.py first")
     speed(opt) if opt.mode == "speed" else quality(opt)

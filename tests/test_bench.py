@@ -54,3 +54,52 @@ def test_quality_report(tmp_path):
     ce, kd_loss = kd["runs"][0]["ce"], kd["runs"][0]["kd"]
     assert math.isclose(kd["gap_closed"][0], (ce - kd_loss) / (ce - kd["teacher_val_loss"]), rel_tol=1e-9)
     assert "| 8da2w g32 |" in (out / "quality.md").read_text()
+
+
+def saved_bytes(args, dtype, qat=False, B=2, T=64):
+    """(per token, per block) bytes autograd saves for one block's backward, measured: every saved
+    tensor's storage counted once, the weights and RoPE tables aside (they exist anyway)."""
+    import logging
+    import torch
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
+    from torchao.quantization.qat import QATConfig
+    from model import Transformer
+    m = Transformer(args).to(dtype)
+    m.init_weights(seed=0)
+    if qat:
+        cfg = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
+        quantize_(m, QATConfig(cfg, step="prepare"), filter_fn=lambda mod, path: isinstance(mod, torch.nn.Linear))
+    block = m.layers[0]
+    known = {t.untyped_storage()._cdata for t in (*block.parameters(), m.rope_cos, m.rope_sin)}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in known:
+            seen[s._cdata] = s.nbytes()
+        return t
+
+    x = torch.randn(B, T, args.dim, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, m.rope_cos[:T], m.rope_sin[:T])
+    return sum(seen.values()) / (B * T)
+
+
+def test_memory_plan_activations_match_what_autograd_saves():
+    import torch
+    from bench import activation_bytes, memory_plan
+    from model import ModelArgs
+    for shape in (dict(dim=128, n_heads=4, n_kv_heads=2, multiple_of=32), dict(dim=256, n_heads=8, n_kv_heads=2, multiple_of=128)):
+        args = ModelArgs(**shape, n_layers=1, vocab_size=256, max_seq_len=128)
+        for dtype, c in ((torch.float32, 4), (torch.bfloat16, 2)):
+            per_token, per_block = activation_bytes(args, c)
+            assert per_token == saved_bytes(args, dtype) and per_block == 0
+        per_token, per_block = activation_bytes(args, 4, qat=True)
+        measured = saved_bytes(args, torch.float32, qat=True)
+        assert abs(per_token + per_block / 128 - measured) <= 0.02 * measured
+    # the rest is arithmetic over the meta-device parameter count: sharded 8 ways
+    args = ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=64)
+    one, eight = (memory_plan(args, n, 2, 128, "bfloat16", mixed_precision=True) for n in (1, 8))
+    assert one["optimizer"] == 8 * eight["optimizer"] == 2 * one["parameters"]
+    assert one["parameters"] == 4 * sum(p.numel() for p in __import__("model").Transformer(args).parameters())
