@@ -3,17 +3,21 @@ by ExecuTorch's own runtime gives the converted PyTorch model's logits and greed
 XNNPACK cannot run are refused before any export work."""
 
 import logging
+import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 logging.getLogger("torchao").setLevel(logging.ERROR)
-from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
+from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig,
+                                  PerGroup, quantize_)
+from torchao.quantization.qat import QATConfig
 
-from checkpoint import ExecuTorchModel, export_executorch
-from conftest import corpus
+from checkpoint import ExecuTorchModel, export_executorch, load_checkpoint
+from conftest import corpus, make_data, run, run_early_exits
 from model import ModelArgs, Transformer
 
 ARGS = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=64, vocab_size=128)
@@ -95,3 +99,55 @@ def test_refusals(trained, tmp_path):
         export_executorch(q, path)
     with pytest.raises(ValueError, match="max_seq_len=65"):
         export_executorch(converted(fp, config_8da(4)), path, max_seq_len=65)
+
+
+def test_qat_train_writes_pte(tmp_path):
+    data = make_data(tmp_path / "data", vocab_size=128)
+    out = tmp_path / "out"
+    run("qat_train.py", preset="toy", n_layer=1, block_size=32, batch_size=4, max_iters=4, eval_iters=1,
+        eval_interval=1000, quantizer="8da4w", export_format="pte", data_dir=data, out_dir=out)
+    args, state = load_checkpoint(str(out / "quantized.pt"))
+    with torch.device("meta"):
+        q = Transformer(args)
+    q.load_state_dict(state, assign=True)
+    q.reset_buffers("cpu")
+    et = ExecuTorchModel(str(out / "model.pte"))
+    x = torch.from_numpy(np.fromfile(out / ".." / "data" / "val.bin", dtype=np.uint16)[:64].astype(np.int64))[None]
+    with torch.no_grad():
+        ref = q(x)
+    out_logits = et(x, torch.arange(64))
+    assert abs(F.cross_entropy(out_logits[0, :-1], x[0, 1:]) - F.cross_entropy(ref[0, :-1], x[0, 1:])) < 0.01
+    assert et.generate(x[:, :8], 16).shape == (1, 24)
+
+
+def test_script_refusals(tmp_path):
+    data = make_data(tmp_path / "data")
+    base = dict(preset="toy", data_dir=data, out_dir=tmp_path / "out")
+    cases = [("qat_train.py", dict(quantizer="4w-gpu"), "quantizer='4w-gpu'.*device='cuda'"),
+             ("qat_train.py", dict(quantizer="4w", export_format="pte"), "export_format='pte'.*8daNw"),
+             ("qat_train.py", dict(quantizer="none", export_format="pte"), "export_format='pte'.*8daNw"),
+             ("qat_train.py", dict(quantizer="8da8w", export_format="pte"), "N <= 4"),
+             ("qat_train.py", dict(quantizer="8da4w", quantize_embedding=True, export_format="pte"), "quantize_embedding=False"),
+             ("kd_train.py", dict(quantizer="4w-gpu"), "quantizer='4w-gpu'.*device='cuda'"),
+             ("kd_train.py", dict(quantizer="8da4w", dtype="bfloat16", export_format="pte"), "dtype='float32'")]
+    for script, settings, message in cases:
+        r = run_early_exits(script, [({**base, **settings}, None)])[0]
+        assert r.returncode == 2 and re.search(message, r.stderr) and r.stderr.count("\n") == 1, (settings, r.stderr)
+
+
+def test_int4_gpu_fake_quant_prepares_on_cpu():
+    """'4w-gpu' trains with the fake quantization QATConfig derives from Int4WeightOnlyConfig; its
+    conversion needs CUDA, but training under it runs anywhere: int4 levels, 16 per group of 32."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(**ARGS)).to(torch.bfloat16)
+    model.init_weights(seed=0)
+    quantize_(model, QATConfig(Int4WeightOnlyConfig(group_size=32), step="prepare"),
+              filter_fn=lambda m, _: isinstance(m, nn.Linear))
+    wq = model.layers[0].attention.wq
+    fq = wq.weight_fake_quantizer(wq.weight).detach()
+    assert not torch.equal(fq, wq.weight.detach())
+    assert max(g.unique().numel() for g in fq.float().reshape(-1, 32)) <= 16
+    x = torch.randint(0, 128, (2, 16))
+    loss = model(x, x)
+    loss.backward()
+    assert torch.isfinite(loss) and wq.weight.grad.abs().sum() > 0
