@@ -2,8 +2,11 @@
 by ExecuTorch's own runtime gives the converted PyTorch model's logits and greedy text; schemes
 XNNPACK cannot run are refused before any export work."""
 
+import json
 import logging
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt
 from torchao.quantization.qat import QATConfig
 
 from checkpoint import ExecuTorchModel, export_executorch, load_checkpoint
-from conftest import corpus, make_data, run, run_early_exits
+from conftest import ROOT, corpus, make_data, run, run_early_exits, script_env
 from model import ModelArgs, Transformer
 
 ARGS = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=64, vocab_size=128)
@@ -151,3 +154,17 @@ def test_int4_gpu_fake_quant_prepares_on_cpu():
     loss = model(x, x)
     loss.backward()
     assert torch.isfinite(loss) and wq.weight.grad.abs().sum() > 0
+
+
+def test_bench_deploy(tmp_path):
+    data = make_data(tmp_path / "data", vocab_size=128)
+    out = tmp_path / "bench"
+    r = subprocess.run([sys.executable, "bench.py", "deploy", "--data_dir", data, "--out_dir", str(out), "--preset", "toy",
+                        "--n_layer", "1", "--base_iters", "4", "--batch_size", "4", "--block_size", "32", "--rounds", "1",
+                        "--new_tokens", "8", "--eval_windows", "2"], cwd=ROOT, env=script_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = {row["format"]: row for row in json.load(open(out / "deploy.json"))["results"]}
+    assert list(res) == ["full precision", "converted", "executorch"]
+    assert res["executorch"]["file_mb"] < res["full precision"]["file_mb"]
+    assert abs(res["executorch"]["val_loss"] - res["converted"]["val_loss"]) < 0.01
+    assert all(row["decode_tokens_per_sec"] > 0 for row in res.values())
