@@ -17,6 +17,12 @@ $ python bench.py quality --base_ckpt out/bench/quality/base/ckpt.pt --schemes 8
 Memory plan per rank, from the shapes alone (nothing allocated; seconds):
 $ python bench.py memory --preset llama3.1-8b --nproc 8 --batch_size 2 --block_size 2048
 
+Deployment (a few minutes on a CPU): full precision PyTorch with a KV cache, the converted
+8da4w model in PyTorch, and its ExecuTorch program (XNNPACK): file size, decoding tokens/s at batch 1
+after prefill, and validation loss, side by side; rounds interleaved, medians quoted.
+$ python bench.py deploy                                  # trains the tiny preset briefly first
+$ python bench.py deploy --qat_dir out/tiny_qat           # a finished qat_train.py run (ckpt.pt, quantized.pt)
+
 Speed: every variant (plain step, QAT step, KD step, QAD step; eager and compiled; each dtype)
 runs for a few steps with a log line per step; the median step after warmup gives ms/step and
 tokens/s. Variants are interleaved in rounds so that a busy moment on a shared machine hits them
@@ -327,6 +333,83 @@ def memory(opt):
     write(opt, f"memory_{opt.preset}_{opt.nproc}", report, {"options": vars(opt)})
 
 
+
+def deploy(opt):
+    import logging
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    import torch
+    import torchao  # noqa: F401  (registers the quantized tensor types quantized.pt holds)
+
+    from checkpoint import ExecuTorchModel, export_executorch, load_checkpoint
+    from model import Transformer
+
+    qat_dir = opt.qat_dir
+    if qat_dir is None:
+        qat_dir = os.path.join(opt.out_dir, "deploy")
+        run("qat_train.py", {"data_dir": opt.data_dir, "preset": opt.preset, **shape_args(opt), "batch_size": opt.batch_size,
+                             "block_size": opt.block_size, "max_iters": opt.base_iters, "quantizer": "8da4w",
+                             "group_size": opt.group_size, "export_format": "pte"}, qat_dir)
+    for name in ("ckpt.pt", "quantized.pt"):
+        if not os.path.exists(os.path.join(qat_dir, name)):
+            sys.exit(f"error: {os.path.join(qat_dir, name)} is missing; give --qat_dir of a finished qat_train.py run with a quantizer")
+    models = {}
+    for label, name in (("full precision", "ckpt.pt"), ("converted", "quantized.pt")):
+        args, state = load_checkpoint(os.path.join(qat_dir, name))
+        args.tie_embeddings = False
+        with torch.device("meta"):
+            models[label] = Transformer(args)
+        models[label].load_state_dict(state, assign=True)
+        models[label].reset_buffers("cpu")
+        models[label].eval()
+    # the full-precision file without the optimizer state ckpt.pt carries: what one would ship
+    fp_file = os.path.join(qat_dir, "fp_model.pt")
+    torch.save(models["full precision"].state_dict(), fp_file)
+    pte = os.path.join(qat_dir, "model.pte")
+    if not os.path.exists(pte):
+        export_executorch(models["converted"], pte)
+    et = ExecuTorchModel(pte)
+    files = {"full precision": fp_file, "converted": os.path.join(qat_dir, "quantized.pt"), "executorch": pte}
+
+    val = np.fromfile(os.path.join(opt.data_dir, "val.bin"), dtype=np.uint16).astype(np.int64)
+    T = min(opt.block_size, et.max_seq_len)
+    windows = [torch.from_numpy(val[i:i + T + 1])[None] for i in range(0, len(val) - T - 1, T)][:opt.eval_windows]
+    prompt = torch.from_numpy(val[:opt.prompt_tokens])[None]
+    n_new = min(opt.new_tokens, et.max_seq_len - prompt.shape[1])
+
+    def generate(label, n):
+        if label == "executorch":
+            return et.generate(prompt, n)
+        return models[label].generate(prompt, n, temperature=0)
+
+    def val_loss(label, w):
+        x, y = w[:, :-1], w[:, 1:]
+        logits = et(x, torch.arange(x.shape[1])) if label == "executorch" else models[label](x)
+        return torch.nn.functional.cross_entropy(logits[0].float(), y[0]).item()
+
+    labels = list(files)
+    rates, losses = {k: [] for k in labels}, {k: [] for k in labels}
+    with torch.no_grad():
+        for _ in range(opt.rounds):
+            for label in labels:  # interleaved: a busy moment on a shared machine hits every format alike
+                t0 = time.perf_counter()
+                generate(label, 1)  # prefill and one step, subtracted: tokens/s of decoding alone
+                t1 = time.perf_counter()
+                generate(label, n_new)
+                t2 = time.perf_counter()
+                rates[label].append((n_new - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
+        for w in windows:
+            for label in labels:
+                losses[label].append(val_loss(label, w))
+    results = [{"format": k, "file_mb": os.path.getsize(files[k]) / 1e6, "decode_tokens_per_sec": statistics.median(rates[k]),
+                "val_loss": statistics.mean(losses[k])} for k in labels]
+    fp_mb = results[0]["file_mb"]
+    table = [f"| format | file MB | vs full precision | decode tokens/s (batch 1, {n_new} tokens) | val loss ({len(windows)} x {T}) |",
+             "|---|---|---|---|---|"]
+    table += [f"| {r['format']} | {r['file_mb']:.2f} | {100 * r['file_mb'] / fp_mb:.0f}% | {r['decode_tokens_per_sec']:.0f} | "
+              f"{r['val_loss']:.4f} |" for r in results]
+    write(opt, "deploy", "\n".join(table) + "\n", {"qat_dir": qat_dir, "rounds": opt.rounds, "new_tokens": n_new, "results": results})
+
 def write(opt, name, report, data):
     os.makedirs(opt.out_dir, exist_ok=True)
     with open(os.path.join(opt.out_dir, f"{name}.md"), "w") as f:
@@ -339,7 +422,7 @@ def write(opt, name, report, data):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=("speed", "quality", "memory"))
+    p.add_argument("mode", choices=("speed", "quality", "memory", "deploy"))
     p.add_argument("--data_dir", default="data/stdlib")
     p.add_argument("--out_dir", default="out/bench")
     p.add_argument("--device", default="cpu")
@@ -375,6 +458,10 @@ if __name__ == "__main__":
     p.add_argument("--kd_iters", type=int, default=300, help="0 skips the KD comparison")
     p.add_argument("--kd_lr", type=float, default=2e-3)
     p.add_argument("--kd_ratio", type=float, default=0.5)
+    p.add_argument("--qat_dir", help="deploy: a finished qat_train.py run to measure; default: train --preset for --base_iters")
+    p.add_argument("--new_tokens", type=int, default=200, help="deploy: tokens decoded per timing")
+    p.add_argument("--prompt_tokens", type=int, default=16)
+    p.add_argument("--eval_windows", type=int, default=20, help="deploy: validation windows of block_size")
     opt = p.parse_args()
     opt.preset_is_torchtune = opt.preset == "torchtune"
     if opt.preset_is_torchtune:  # the shape torchtune's recipe was measured with
@@ -388,4 +475,4 @@ if __name__ == "__main__":
         sys.exit(memory(opt))
     if not os.path.exists(os.path.join(opt.data_dir, "meta.json")):
         p.error(f"{opt.data_dir} has no prepared data; run python data_prep.py first")
-    speed(opt) if opt.mode == "speed" else quality(opt)
+    {"speed": speed, "quality": quality, "deploy": deploy}[opt.mode](opt)

@@ -490,3 +490,143 @@ def load_adapter(path, args):
     settings = dict(lora_rank=cfg["r"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg.get("lora_dropout", 0.0),
                     lora_targets=tuple(t for t in LORA_TARGETS if t in targets))
     return settings, sd
+
+
+# ---------------------------------------------------------------------------------------------
+# ExecuTorch: the converted model as a .pte program, its linears lowered to XNNPACK
+
+class _ExportCache(torch.nn.Module):
+    """One layer's keys and values (1, n_kv_heads, max_len, head_dim) as buffers: torch.export turns
+    the in-place writes into buffer mutations, which ExecuTorch keeps between calls."""
+
+    def __init__(self, args, max_len):
+        super().__init__()
+        shape = (1, args.n_kv_heads, max_len, args.head_dim)
+        self.register_buffer("k", torch.zeros(shape), persistent=False)
+        self.register_buffer("v", torch.zeros(shape), persistent=False)
+
+    def update(self, k, v, input_pos):
+        # positions are a tensor, not the int start of model.KVCache, so that one program serves
+        # every position; attention then reads the whole cache and the mask hides what is not yet written
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+class _ExportDecoder(torch.nn.Module):
+    """forward(tokens (1, T), input_pos (T,)) -> logits (1, T, V): the tokens at positions input_pos,
+    attending to everything cached before them."""
+
+    def __init__(self, model, max_len):
+        super().__init__()
+        self.model, self.max_len = model, max_len
+        self.caches = torch.nn.ModuleList(_ExportCache(model.args, max_len) for _ in model.layers)
+
+    def forward(self, tokens, input_pos):
+        m = self.model
+        h = m.tok_embeddings(tokens)
+        cos, sin = m.rope_cos[input_pos], m.rope_sin[input_pos]  # (T, D/2)
+        key_pos = torch.arange(self.max_len, device=tokens.device)
+        mask = key_pos[None, :] <= input_pos[:, None]  # (T, max_len)
+        if m.args.sliding_window is not None:
+            mask = mask & (input_pos[:, None] - key_pos[None, :] < m.args.sliding_window)
+        for layer, cache in zip(m.layers, self.caches):
+            h = layer(h, cos, sin, mask, cache, input_pos)
+        return m.output(m.norm(h))
+
+
+def _xnnpack_weights(model):
+    """Checks that every quantized weight is one XNNPACK runs (int8 dynamic activations, symmetric
+    4-bit groups of a multiple of 32) and returns the model with 2- and 3-bit weights relabelled as
+    4-bit: their integers and scales are unchanged, so this is exact, and XNNPACK has 4-bit kernels only."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    quantized = False
+    for name, p in list(model.named_parameters()):
+        if not type(p).__module__.startswith("torchao"):
+            continue
+        quantized = True
+        if name.startswith("tok_embeddings"):
+            raise ValueError("ExecuTorch's XNNPACK backend cannot run a quantized embedding; "
+                             "convert with quantize_embedding=False to export a .pte")
+        if type(p) is not IntxUnpackedToInt8Tensor or p.activation_quantization is None:
+            raise ValueError(f"{name} is a {type(p).__name__} without int8 activations, which XNNPACK cannot run; "
+                             f"export a model converted with an '8daNw' quantizer (N from 2 to 4)")
+        bits, group = int(str(p.target_dtype).removeprefix("torch.int")), p.block_size[-1]
+        if bits > 4 or group % 32 or (p.zero_point != 0).any():
+            raise ValueError(f"{name} has {bits}-bit weights in groups of {group}: XNNPACK runs 2- to 4-bit "
+                             f"symmetric weights in groups of a multiple of 32; use an '8daNw' quantizer with N <= 4")
+        if bits < 4:
+            module, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            setattr(module, attr, torch.nn.Parameter(IntxUnpackedToInt8Tensor(
+                p.qdata, p.scale, p.zero_point, torch.int4, p.block_size, p.dtype, p.activation_quantization),
+                requires_grad=False))
+    if not quantized:
+        raise ValueError("the model has no quantized weights: export_executorch takes a converted model "
+                         "(quantized.pt, or a model after QATConfig's convert step)")
+    return model
+
+
+def export_executorch(model, path, max_seq_len=None):
+    """Writes a converted 8daNw model (N <= 4) as an ExecuTorch program lowered to XNNPACK, with a
+    KV cache of max_seq_len positions (default the model's) inside it. The program's forward
+    takes tokens (1, T) and their positions input_pos (T,), both int64, T from 1 to max_seq_len,
+    writes their keys and values into the cache and returns float32 logits (1, T, V): prefill
+    the prompt at positions 0..T-1, then one token at a time. A new sequence simply starts again
+    at position 0. Refuses, with one line, a model that was never converted or a scheme XNNPACK
+    cannot run. Needs the executorch package, imported only here."""
+    import copy
+
+    max_len = max_seq_len or model.args.max_seq_len
+    if not 2 <= max_len <= model.args.max_seq_len:
+        raise ValueError(f"max_seq_len={max_len} must be from 2 to the model's {model.args.max_seq_len}")
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes != {torch.float32}:
+        raise ValueError(f"the model computes in {', '.join(sorted(map(str, dtypes)))}; "
+                         f"export a float32 model (dtype='float32')")
+    decoder = _ExportDecoder(_xnnpack_weights(copy.deepcopy(model)).eval(), max_len).eval()
+
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from torch.export import Dim, export
+
+    T = Dim("T", min=1, max=max_len)
+    example = (torch.zeros(1, 2, dtype=torch.long), torch.arange(2))
+    with torch.no_grad():
+        program = export(decoder, example, dynamic_shapes=({1: T}, {0: T}), strict=False)
+    edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()],
+                                       constant_methods={"max_seq_len": max_len, "vocab_size": model.args.vocab_size})
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(edge.to_executorch().buffer)
+    os.replace(tmp, path)
+
+
+class ExecuTorchModel:
+    """A .pte written by export_executorch, run by ExecuTorch's own runtime: `model(tokens,
+    input_pos)` is the program's forward, `generate` decodes greedily as Transformer.generate does."""
+
+    def __init__(self, path):
+        from executorch.runtime import Runtime
+
+        program = Runtime.get().load_program(path)
+        self.forward = program.load_method("forward")
+        self.max_seq_len = program.load_method("max_seq_len").execute([])[0]
+        self.vocab_size = program.load_method("vocab_size").execute([])[0]
+
+    def __call__(self, tokens, input_pos):
+        return self.forward.execute([tokens, input_pos])[0]
+
+    def generate(self, tokens, max_new_tokens, eos_id=None):
+        """Greedy continuation of tokens (1, T): the prompt once, then one token per call."""
+        T = tokens.shape[1]
+        if T + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"{T} + {max_new_tokens} tokens do not fit the program's cache of {self.max_seq_len}")
+        logits = self(tokens, torch.arange(T))
+        for pos in range(T, T + max_new_tokens):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat((tokens, nxt), 1)
+            if (eos_id is not None and nxt.item() == eos_id) or pos == T + max_new_tokens - 1:
+                break
+            logits = self(nxt, torch.tensor([pos]))
+        return tokens

@@ -17,6 +17,7 @@ logits tensor ever exists. The teacher is sharded like the student, runs under n
 holds no optimizer state.
 """
 
+import importlib.util
 import json
 import logging
 import math
@@ -52,7 +53,7 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from checkpoint import export_hf, export_meta, load_checkpoint, load_provenance, save_adapter
+from checkpoint import export_executorch, export_hf, export_meta, load_checkpoint, load_provenance, save_adapter
 from data_prep import load_tokenizer, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict,
                    flops_per_token, mark_only_lora_trainable, merge_lora, peak_flops, to_lora_keys)
@@ -71,7 +72,7 @@ ckpt_interval = 500  # steps between checkpoints; one is always written at the e
 # instead of rank 0 gathering everything into ckpt.pt: for models whose training state outgrows one host
 sharded_checkpoint = False
 save_adapter_only = False  # with LoRA: save the adapters alone, not the merged student
-export_format = "none"  # also write the merged student as a 'meta' or 'hf' directory ('none': no)
+export_format = "none"  # also write the merged student as an 'hf' or 'meta' directory, or the converted one as 'pte' (ExecuTorch)
 wandb_log = False  # also log to Weights & Biases (imported only then)
 wandb_project = "nanotune"
 wandb_run_name = "kd"
@@ -92,7 +93,7 @@ lora_alpha = 16.0
 lora_dropout = 0.0
 lora_targets = ("wq", "wk", "wv", "wo")  # any of wq wk wv wo w1 w2 w3 output
 # quantization-aware distillation (as in qat_train.py)
-quantizer = "none"  # 'none', '8daNw' (int8 dynamic activations, intN weights) or 'Nw' (weight-only), N in 2..8
+quantizer = "none"  # 'none', '8daNw' (int8 dynamic activations, intN weights), 'Nw' (weight-only), N in 2..8, or '4w-gpu' (int4 weight-only, CUDA)
 group_size = 32  # weights share one scale per group of this many input channels
 fake_quant_after_n_steps = 0  # train in full precision until this step, then fake-quantize
 quantize_embedding = False  # also fake-quantize the token embedding (weight-only, same bits)
@@ -150,10 +151,14 @@ def fail(msg):
 
 
 quant = re.fullmatch(r"(8da)?([2-8])w", quantizer)
-if quantizer != "none" and not quant:
-    fail(f"quantizer={quantizer!r} is unknown; use 'none', '8daNw' (e.g. '8da4w') or 'Nw' (e.g. '4w'), N from 2 to 8")
+if quantizer not in ("none", "4w-gpu") and not quant:
+    fail(f"quantizer={quantizer!r} is unknown; use 'none', '8daNw' (e.g. '8da4w'), 'Nw' (e.g. '4w'), N from 2 to 8, "
+         f"or '4w-gpu' (int4 weight-only for CUDA)")
 # (activation bits or None for weight-only, weight bits), or None without a quantizer
-quant_bits = (8 if quant[1] else None, int(quant[2])) if quant else None
+quant_bits = (None, 4) if quantizer == "4w-gpu" else (8 if quant[1] else None, int(quant[2])) if quant else None
+if quantizer == "4w-gpu" and (device != "cuda" or dtype != "bfloat16"):
+    fail("quantizer='4w-gpu' converts to torchao's int4 CUDA kernels, which run in bfloat16 on a GPU only; "
+         "set device='cuda' and dtype='bfloat16', or use '8da4w' on a CPU")
 if kd_divergence not in ("fkl", "rkl", "skl", "jsd"):
     fail(f"kd_divergence={kd_divergence!r} is unknown; use 'fkl', 'rkl', 'skl' or 'jsd'")
 if kd_ratio > 1 or jsd_beta > 1:
@@ -164,8 +169,14 @@ if save_adapter_only and not lora_rank:
     fail("save_adapter_only=True needs LoRA adapters; set lora_rank > 0")
 if world_size % replicate_degree:
     fail(f"replicate_degree={replicate_degree} must divide the {world_size} processes")
-if export_format not in ("none", "meta", "hf"):
-    fail(f"export_format={export_format!r} is unknown; use 'none', 'meta' or 'hf'")
+if export_format not in ("none", "meta", "hf", "pte"):
+    fail(f"export_format={export_format!r} is unknown; use 'none', 'meta', 'hf' or 'pte' (the quantized model for ExecuTorch)")
+if export_format == "pte" and not (quant_bits and quant_bits[0] and quant_bits[1] <= 4 and group_size % 32 == 0
+                                   and not quantize_embedding and dtype == "float32"):
+    fail("export_format='pte' lowers an '8daNw' model to XNNPACK, which needs N <= 4, group_size a multiple of 32, "
+         "quantize_embedding=False and dtype='float32'")
+if export_format == "pte" and importlib.util.find_spec("executorch") is None:
+    fail("export_format='pte' needs the executorch package: pip install executorch")
 if dtype not in ("float32", "bfloat16"):
     fail(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16' (float16 needs loss scaling, which this loop omits)")
 if mixed_precision and dtype != "bfloat16":
@@ -435,6 +446,9 @@ def base_config(for_embedding=False):
     """The torchao config of the real quantized model; QAT derives its fake quantizers from it."""
     act_bits, w_bits = quant_bits
     w_dtype = getattr(torch, f"int{w_bits}")
+    if quantizer == "4w-gpu" and not for_embedding:  # packed int4 with bf16 scales, for CUDA's int4 matmul
+        from torchao.quantization import Int4WeightOnlyConfig
+        return Int4WeightOnlyConfig(group_size=group_size)
     if for_embedding or act_bits is None:
         return IntxWeightOnlyConfig(weight_dtype=w_dtype, granularity=PerGroup(group_size))
     return Int8DynamicActivationIntxWeightConfig(weight_dtype=w_dtype, weight_granularity=PerGroup(group_size))
@@ -913,6 +927,9 @@ if quant_bits is not None:
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
                      "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
                     os.path.join(out_dir, "quantized.pt"))
+        if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
+            export_executorch(qmodel.to("cpu"), os.path.join(out_dir, "model.pte"))
+            print(f"exported: {os.path.join(out_dir, 'model.pte')}")
 log(summary)
 if master_process:
     gap = f"  (teacher {teacher_val_loss:.4f})"

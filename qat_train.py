@@ -16,6 +16,7 @@ validation split. quantizer='none' runs the same loop as a plain finetune: the b
 must beat, and the way to train a base model from scratch.
 """
 
+import importlib.util
 import json
 import logging
 import math
@@ -48,7 +49,7 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from checkpoint import export_hf, export_meta, load_checkpoint, load_provenance
+from checkpoint import export_executorch, export_hf, export_meta, load_checkpoint, load_provenance
 from data_prep import load_tokenizer, tokenizer_mismatch
 from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer, flops_per_token, merge_lora, peak_flops
 
@@ -66,7 +67,7 @@ ckpt_interval = 500  # steps between checkpoints; one is always written at the e
 # each process writes its own shards of model and optimizer to out_dir/ckpt/ (torch.distributed.checkpoint)
 # instead of rank 0 gathering everything into ckpt.pt: for models whose training state outgrows one host
 sharded_checkpoint = False
-export_format = "none"  # also write the trained full-precision model as an 'hf' or 'meta' directory
+export_format = "none"  # also write the trained full-precision model as an 'hf' or 'meta' directory, or the converted one as 'pte' (ExecuTorch)
 wandb_log = False  # also log to Weights & Biases (imported only then)
 wandb_project = "nanotune"
 wandb_run_name = "qat"
@@ -77,7 +78,7 @@ n_head = 0
 n_kv_head = 0
 n_embd = 0
 # quantization
-quantizer = "8da4w"  # 'none', '8daNw' (int8 dynamic activations, intN weights) or 'Nw' (weight-only), N in 2..8
+quantizer = "8da4w"  # 'none', '8daNw' (int8 dynamic activations, intN weights), 'Nw' (weight-only), N in 2..8, or '4w-gpu' (int4 weight-only, CUDA)
 group_size = 32  # weights share one scale per group of this many input channels
 fake_quant_after_n_steps = 0  # train in full precision until this step, then fake-quantize
 quantize_embedding = False  # also fake-quantize the token embedding (weight-only, same bits)
@@ -136,10 +137,14 @@ def fail(msg):
 
 
 quant = re.fullmatch(r"(8da)?([2-8])w", quantizer)
-if quantizer != "none" and not quant:
-    fail(f"quantizer={quantizer!r} is unknown; use 'none', '8daNw' (e.g. '8da4w') or 'Nw' (e.g. '4w'), N from 2 to 8")
+if quantizer not in ("none", "4w-gpu") and not quant:
+    fail(f"quantizer={quantizer!r} is unknown; use 'none', '8daNw' (e.g. '8da4w'), 'Nw' (e.g. '4w'), N from 2 to 8, "
+         f"or '4w-gpu' (int4 weight-only for CUDA)")
 # (activation bits or None for weight-only, weight bits), or None without a quantizer
-quant_bits = (8 if quant[1] else None, int(quant[2])) if quant else None
+quant_bits = (None, 4) if quantizer == "4w-gpu" else (8 if quant[1] else None, int(quant[2])) if quant else None
+if quantizer == "4w-gpu" and (device != "cuda" or dtype != "bfloat16"):
+    fail("quantizer='4w-gpu' converts to torchao's int4 CUDA kernels, which run in bfloat16 on a GPU only; "
+         "set device='cuda' and dtype='bfloat16', or use '8da4w' on a CPU")
 if dtype not in ("float32", "bfloat16"):
     fail(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16' (float16 needs loss scaling, which this loop omits)")
 if mixed_precision and dtype != "bfloat16":
@@ -156,8 +161,14 @@ if optimizer_in_bwd and micro_steps > 1:
     fail("optimizer_in_bwd=True steps inside backward, so it cannot accumulate gradients; set gradient_accumulation_steps to the number of processes")
 if optimizer_in_bwd and math.isfinite(grad_clip):
     fail("optimizer_in_bwd=True steps before the global gradient norm is known; set grad_clip=float('inf')")
-if export_format not in ("none", "hf", "meta"):
-    fail(f"export_format={export_format!r} is unknown; use 'none', 'hf' or 'meta'")
+if export_format not in ("none", "hf", "meta", "pte"):
+    fail(f"export_format={export_format!r} is unknown; use 'none', 'hf', 'meta' or 'pte' (the quantized model for ExecuTorch)")
+if export_format == "pte" and not (quant_bits and quant_bits[0] and quant_bits[1] <= 4 and group_size % 32 == 0
+                                   and not quantize_embedding and dtype == "float32"):
+    fail("export_format='pte' lowers an '8daNw' model to XNNPACK, which needs N <= 4, group_size a multiple of 32, "
+         "quantize_embedding=False and dtype='float32'")
+if export_format == "pte" and importlib.util.find_spec("executorch") is None:
+    fail("export_format='pte' needs the executorch package: pip install executorch")
 if world_size % replicate_degree:
     fail(f"replicate_degree={replicate_degree} must divide the {world_size} processes")
 if convert_only and (init_from == "scratch" or quant_bits is None):
@@ -387,6 +398,9 @@ def base_config(for_embedding=False):
     """The torchao config of the real quantized model; QAT derives its fake quantizers from it."""
     act_bits, w_bits = quant_bits
     w_dtype = getattr(torch, f"int{w_bits}")
+    if quantizer == "4w-gpu" and not for_embedding:  # packed int4 with bf16 scales, for CUDA's int4 matmul
+        from torchao.quantization import Int4WeightOnlyConfig
+        return Int4WeightOnlyConfig(group_size=group_size)
     if for_embedding or act_bits is None:
         return IntxWeightOnlyConfig(weight_dtype=w_dtype, granularity=PerGroup(group_size))
     return Int8DynamicActivationIntxWeightConfig(weight_dtype=w_dtype, weight_granularity=PerGroup(group_size))
@@ -774,7 +788,7 @@ pbar.close()
 set_fake_quant(model, False)
 fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss), "quant_val_loss": None}
-if export_format != "none":  # the trained full-precision weights, for tools that quantize on their own
+if export_format in ("hf", "meta"):  # the trained full-precision weights, for tools that quantize on their own
     fp_state = full_state_dict(model)  # a collective; rank 0 ends up with the weights, on the CPU
     if master_process:
         export_dir = os.path.join(out_dir, f"export_{export_format}")
@@ -803,6 +817,9 @@ if quant_bits is not None:
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
                      "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
                     os.path.join(out_dir, "quantized.pt"))
+        if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
+            export_executorch(qmodel.to("cpu"), os.path.join(out_dir, "model.pte"))
+            print(f"exported: {os.path.join(out_dir, 'model.pte')}")
 log(summary)
 if master_process:
     rows = []

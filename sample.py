@@ -7,6 +7,7 @@ when the tokenizer has one, as every training document did.
 
 $ python sample.py --init_from=out/tiny_qat/quantized.pt --start="def fibonacci(n):"
 $ python sample.py --init_from=out/tiny_base/ckpt.pt --num_samples=3 --temperature=0.8
+$ python sample.py --init_from=out/tiny_qat/quantized.pt --export_pte=out/tiny_qat/model.pte
 """
 
 import logging
@@ -35,6 +36,7 @@ top_k = 200  # None keeps every token
 seed = 1337
 device = "cpu"
 dtype = "float32"  # of the full-precision weights; quantized ones keep their own
+export_pte = ""  # a path: write the converted model there as an ExecuTorch program (XNNPACK) instead of sampling
 # -----------------------------------------------------------------------------
 from configurator import configure
 
@@ -83,6 +85,15 @@ quantized = any(type(p).__module__.startswith("torchao") for p in model.paramete
 if tok.vocab_size > args.vocab_size:
     raise SystemExit(f"error: the tokenizer has {tok.vocab_size} tokens but {init_from} only {args.vocab_size}; "
                      f"it belongs to another model")
+
+if export_pte:
+    from checkpoint import export_executorch
+    try:
+        export_executorch(model, export_pte)
+    except (ValueError, ImportError) as e:
+        raise SystemExit(f"error: {e}")
+    print(f"exported: {export_pte} ({os.path.getsize(export_pte) / 1e6:.2f} MB)")
+    raise SystemExit(0)
 
 if start.startswith("FILE:"):
     with open(start[5:], encoding="utf-8") as f:
