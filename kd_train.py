@@ -28,11 +28,11 @@ w * block_size + t the target t of window w, as get_batch cuts it; done.bin (one
 of batch_size windows written); meta.json (k, temperature, teacher, data and tokenizer
 fingerprints, windows done, the teacher's val loss, and "complete", set last). 4k bytes a token
 (6k with uint32 ids). float16 rather than bfloat16: for log-probs in [-32, 0], where the mass is,
-float16's 11-bit mantissa rounds a probability by < 0.8% and bfloat16's 8 bits by up to 6%;
-float16's range (down to -65504) is no limit for log-probs. The log-probs are the teacher's at the writing run's
-kd_temperature, and training refuses another temperature: p_T(i) = p(i)^(1/T) / sum_j p(j)^(1/T)
-needs every tail probability, which a top-k store does not hold. The KD term is then exact over
-k + 1 buckets (see stored_chunk_losses).
+float16's 11-bit mantissa rounds a probability by < 0.8% and bfloat16's 8 bits by up to 6%, and
+float16's range (down to -65504) is no limit for log-probs. They are the teacher's at the writing
+run's kd_temperature, and training refuses another temperature: p_T(i) = p(i)^(1/T) / sum_j
+p(j)^(1/T) needs every tail probability, which a top-k store does not hold. The KD term is then
+exact over k + 1 buckets (see stored_chunk_losses).
 """
 
 import json
