@@ -674,14 +674,19 @@ def stored_chunk_losses(hs, t_ids, t_logp, y):
     the student free to put any mass outside the top k."""
     s_logits = model.output(hs).float()  # (N, V)
     keep = y != IGNORE_INDEX
-    ce = F.cross_entropy(s_logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
     s_logp = F.log_softmax(s_logits[:, :n_vocab] / kd_temperature, -1)
+    if kd_temperature == 1 and s_logits.shape[1] == n_vocab:  # the CE's own log-probs: one softmax saved
+        ce = F.nll_loss(s_logp, y, ignore_index=IGNORE_INDEX, reduction="sum")
+    else:
+        ce = F.cross_entropy(s_logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
     s_buckets = s_logp.gather(-1, t_ids)  # (N, k)
     if t_ids.shape[1] < n_vocab:
-        s_rest = s_logp.scatter(-1, t_ids, -math.inf).logsumexp(-1, keepdim=True)  # never empty: k < vocabulary
-        # float16 rounding can take the stored sum past 1: a floor of float32's epsilon keeps the
-        # rest finite (0 * -inf would be NaN) and log_softmax renormalizes the k + 1 buckets
-        t_rest = (1 - t_logp.exp().sum(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).eps).log()
+        # each rest is 1 - sum(top k), floored at float32's epsilon: 0 * log 0 would be NaN, and float16
+        # rounding can take the teacher's stored sum past 1 (log_softmax below renormalizes the buckets).
+        # The student's as log(-expm1(log sum)): exact down to the floor, without a (N, V) pass
+        eps = torch.finfo(torch.float32).eps
+        s_rest = torch.log(-torch.expm1(s_buckets.logsumexp(-1, keepdim=True).clamp(max=math.log1p(-eps))))
+        t_rest = (1 - t_logp.exp().sum(-1, keepdim=True)).clamp(min=eps).log()
         s_buckets, t_logp = torch.cat((s_buckets, s_rest), -1), torch.cat((t_logp, t_rest), -1)
     t_buckets = F.log_softmax(t_logp, -1)  # renormalized: float16 log-probs sum to 1 only within rounding
     kd = (divergence(s_buckets, t_buckets) * keep).sum() * kd_temperature ** 2

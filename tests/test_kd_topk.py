@@ -49,7 +49,7 @@ def bucket_reference(kind, store_dir, settings, beta=0.5):
     q = q_full.gather(-1, ids)
     if meta["k"] < V:
         p = torch.cat((p, (1 - p.sum(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).eps)), -1)
-        q = torch.cat((q, 1 - q.sum(-1, keepdim=True)), -1)
+        q = torch.cat((q, (1 - q.sum(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).eps)), -1)
     p = p / p.sum(-1, keepdim=True)
 
     def kl(a, b):
