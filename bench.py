@@ -23,6 +23,10 @@ after prefill, and validation loss, side by side; rounds interleaved, medians qu
 $ python bench.py deploy                                  # trains the tiny preset briefly first
 $ python bench.py deploy --qat_dir out/tiny_qat           # a finished qat_train.py run (ckpt.pt, quantized.pt)
 
+KD from a stored teacher top-k against online KD and plain CE (speed and quality, one run):
+$ python bench.py kd --ks 8,16,32,64
+$ python bench.py kd --base_ckpt out/bench/quality/base/ckpt.pt --kd_train_tokens 0 --seeds 3
+
 Speed: every variant (plain step, QAT step, KD step, QAD step; eager and compiled; each dtype)
 runs for a few steps with a log line per step; the median step after warmup gives ms/step and
 tokens/s. Variants are interleaved in rounds so that a busy moment on a shared machine hits them
@@ -35,12 +39,18 @@ of (b) and (c), all evaluated on the whole validation split. Recovery of X = (pp
 / (ppl_PTQ - ppl_fp). KD: a small student trained with CE alone vs with KD from the base model,
 same steps and data; the share of the student-teacher gap that KD closes. Several seeds: mean
 and spread.
+
+KD: the teacher's top-k written once per k (timed, bytes per token), then students trained with CE
+alone, online KD and KD from each store, same steps, data and windows: gap closed by each, and
+by each store relative to online KD. Speed rows from short interleaved runs: the plain CE step
+(qat_train.py, no teacher), the online KD step and the stored KD step per k.
 """
 
 import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -410,6 +420,115 @@ def deploy(opt):
               f"{r['val_loss']:.4f} |" for r in results]
     write(opt, "deploy", "\n".join(table) + "\n", {"qat_dir": qat_dir, "rounds": opt.rounds, "new_tokens": n_new, "results": results})
 
+
+def small_train_copy(data_dir, out, n_tokens):
+    """The data with its train split cut to n_tokens (0: whole), its fingerprint recomputed: a store
+    covers every train window, more than a short benchmark trains on."""
+    import hashlib
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    if meta.get("has_mask") or meta.get("has_pos"):
+        sys.exit("bench kd: give plain (unmasked, unpacked) data")
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for name in ("train.bin", "val.bin"):
+        with open(os.path.join(data_dir, name), "rb") as f:
+            data = f.read(n_tokens * itemsize) if name == "train.bin" and n_tokens else f.read()
+        with open(os.path.join(out, name), "wb") as g:
+            g.write(data)
+        meta["data"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    for name in (meta.get("tokenizer") or {}).get("files", []):  # the tokenizer travels with the data
+        shutil.copy(os.path.join(data_dir, name), os.path.join(out, name))
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return out
+
+
+def kd(opt):
+    out = os.path.join(opt.out_dir, "kd")
+    data_dir = small_train_copy(opt.data_dir, os.path.join(out, "data"), opt.kd_train_tokens)
+    common = dict(data_dir=data_dir, batch_size=opt.batch_size, block_size=opt.block_size, device=opt.device,
+                  dtype=opt.dtype, eval_interval=10 ** 9, eval_iters=1, log_interval=1, ckpt_interval=10 ** 9)
+    t_start = time.perf_counter()
+    base_ckpt = opt.base_ckpt or os.path.join(out, "base", "ckpt.pt")
+    if not opt.base_ckpt:
+        print(f"teacher: {opt.preset}, {opt.base_iters} steps")
+        run("qat_train.py", {**common, "preset": opt.preset, **shape_args(opt), "quantizer": "none", "max_iters": opt.base_iters,
+                             "learning_rate": opt.base_lr, "min_lr": opt.base_lr / 10, "warmup_iters": max(1, opt.base_iters // 20),
+                             "seed": 1, "log_interval": 50}, os.path.join(out, "base"), quiet=False)
+    ks = [int(k) for k in opt.ks.split(",")]
+    stores, bytes_per_token = {}, {}
+    for k in ks:
+        stores[k] = os.path.join(out, f"store_{k}")  # a complete store of this data and teacher is kept
+        t0 = time.perf_counter()
+        args = {**common, "teacher_init": base_ckpt, "topk_write": True, "teacher_topk": k, "teacher_topk_dir": stores[k],
+                "kd_temperature": opt.kd_temperature, "out_dir": os.path.join(out, f"write_{k}")}
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "kd_train.py")] + [f"--{a}={v}" for a, v in args.items()],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # a write keeps no log.jsonl
+        if proc.returncode:
+            sys.exit(f"bench: writing {stores[k]} failed:\n{proc.stdout[-3000:]}")
+        with open(os.path.join(stores[k], "meta.json")) as f:
+            meta = json.load(f)
+        bytes_per_token[k] = k * (np.dtype(meta["ids_dtype"]).itemsize + 2)  # ids + float16 log-probs
+        print(f"  top-{k} store: {time.perf_counter() - t0:.0f} s, {bytes_per_token[k]} bytes per token")
+    student = {**common, "teacher_init": base_ckpt, "init_from": "scratch", "preset": opt.student_preset,
+               "learning_rate": opt.kd_lr, "min_lr": opt.kd_lr / 10, "kd_ratio": opt.kd_ratio,
+               "kd_divergence": opt.kd_divergence, "kd_temperature": opt.kd_temperature}
+    variants = [("online", {})] + [(f"top{k}", {"teacher_topk_dir": stores[k]}) for k in ks]
+    # speed: short runs, interleaved in rounds; the plain step is qat_train.py's (no teacher at all)
+    times = {name: [] for name in ["plain"] + [v for v, _ in variants]}
+    tokens_step = opt.batch_size * opt.block_size
+    short = {**student, "max_iters": opt.warmup + opt.steps, "warmup_iters": 1}
+    for r in range(opt.rounds):
+        for name, extra in [("plain", None)] + variants:
+            if extra is None:
+                args = {k: v for k, v in short.items() if not k.startswith(("teacher", "kd_"))}
+                recs = run("qat_train.py", {**args, "quantizer": "none"}, os.path.join(out, "speed_plain"))
+            else:
+                recs = run("kd_train.py", {**short, **extra}, os.path.join(out, f"speed_{name}"))
+            times[name] += [tokens_step / x["tokens_per_sec"] for x in recs if "loss" in x][opt.warmup:]
+        print(f"round {r + 1}/{opt.rounds}: " + "  ".join(f"{n} {1e3 * statistics.median(t):.1f}" for n, t in times.items()) + " ms/step")
+    # quality: CE alone vs online KD vs KD from each store, same steps, data and windows
+    long = {**student, "max_iters": opt.kd_iters, "warmup_iters": max(1, opt.kd_iters // 10), "log_interval": 50}
+    losses = {name: [] for name in ["ce"] + [v for v, _ in variants]}
+    with open(os.path.join(stores[ks[0]], "meta.json")) as f:
+        teacher_loss = json.load(f)["teacher_val_loss"]
+    for seed in range(opt.seeds):
+        for name, extra in [("ce", {"kd_ratio": 0.0})] + variants:
+            res = summary(run("kd_train.py", {**long, **extra, "seed": seed}, os.path.join(out, f"s{seed}_{name}")))
+            losses[name].append(res["fp_val_loss"])
+        print(f"seed {seed}: " + "  ".join(f"{n} {v[-1]:.4f}" for n, v in losses.items()) + f"  teacher {teacher_loss:.4f}")
+
+    def pm(xs):
+        return f"{100 * statistics.mean(xs):.0f}% ± {100 * (statistics.stdev(xs) if len(xs) > 1 else 0):.0f}"
+
+    plain = statistics.median(times["plain"])
+    closed = {n: [(c - x) / (c - teacher_loss) for c, x in zip(losses["ce"], losses[n])] for n, _ in variants}
+    rows, results = [], []
+    for name in ["plain"] + [v for v, _ in variants]:
+        t = statistics.median(times[name])
+        res = {"step": name, "ms_per_step": 1e3 * t, "ratio_to_plain": t / plain}
+        if not opt.seeds:  # speed only
+            quality_cells = "- | - | -"
+        elif name != "plain":
+            rel = [s / o for s, o in zip(closed[name], closed["online"])]  # per seed: a share of online's share
+            res.update(val_loss=losses[name], gap_closed=closed[name], of_online=rel)
+            quality_cells = f"{statistics.mean(losses[name]):.4f} | {pm(closed[name])} | {pm(rel)}"
+        else:
+            quality_cells = f"{statistics.mean(losses['ce']):.4f} (CE only) | 0% | -"
+        bytes_cell = f"{bytes_per_token[int(name[3:])]}" if name.startswith("top") else "-"
+        rows.append(f"| {name} | {1e3 * t:.1f} | {t / plain:.2f}x | {bytes_cell} | {quality_cells} |")
+        results.append(res)
+    table = ["| step | ms/step | vs plain CE | store bytes/token | val loss | gap closed | of online's |",
+             "|---|---|---|---|---|---|---|"] + rows
+    report = (f"KD from a stored top-k: teacher {opt.base_ckpt or opt.preset} (val loss {teacher_loss:.4f}), student "
+              f"{opt.student_preset}, {opt.kd_divergence} at T={opt.kd_temperature}, kd_ratio {opt.kd_ratio}, {opt.kd_iters} steps "
+              f"of {opt.batch_size} x {opt.block_size}, {opt.dtype} on {opt.device}, train split {opt.kd_train_tokens or 'whole'} "
+              f"tokens; speed: median of {opt.steps} steps x {opt.rounds} interleaved rounds after {opt.warmup}; quality: "
+              f"{opt.seeds} seed(s), mean ± std; {time.perf_counter() - t_start:.0f} s\n\n" + "\n".join(table) + "\n")
+    write(opt, "kd", report, {"options": vars(opt), "teacher_val_loss": teacher_loss, "results": results})
+
+
 def write(opt, name, report, data):
     os.makedirs(opt.out_dir, exist_ok=True)
     with open(os.path.join(opt.out_dir, f"{name}.md"), "w") as f:
@@ -422,7 +541,7 @@ def write(opt, name, report, data):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=("speed", "quality", "memory", "deploy"))
+    p.add_argument("mode", choices=("speed", "quality", "memory", "deploy", "kd"))
     p.add_argument("--data_dir", default="data/stdlib")
     p.add_argument("--out_dir", default="out/bench")
     p.add_argument("--device", default="cpu")
@@ -462,6 +581,12 @@ if __name__ == "__main__":
     p.add_argument("--new_tokens", type=int, default=200, help="deploy: tokens decoded per timing")
     p.add_argument("--prompt_tokens", type=int, default=16)
     p.add_argument("--eval_windows", type=int, default=20, help="deploy: validation windows of block_size")
+
+    # kd (also --preset, --base_*, --student_preset, --kd_*, --seeds, --dtype, --steps, --warmup, --rounds)
+    p.add_argument("--ks", default="8,16,32,64", help="top-k stores to compare")
+    p.add_argument("--kd_divergence", default="fkl")
+    p.add_argument("--kd_temperature", type=float, default=1.0)
+    p.add_argument("--kd_train_tokens", type=int, default=2 ** 18, help="train split cut to this many tokens (0: whole)")
     opt = p.parse_args()
     opt.preset_is_torchtune = opt.preset == "torchtune"
     if opt.preset_is_torchtune:  # the shape torchtune's recipe was measured with
@@ -475,4 +600,4 @@ if __name__ == "__main__":
         sys.exit(memory(opt))
     if not os.path.exists(os.path.join(opt.data_dir, "meta.json")):
         p.error(f"{opt.data_dir} has no prepared data; run python data_prep.py first")
-    {"speed": speed, "quality": quality, "deploy": deploy}[opt.mode](opt)
+    {"speed": speed, "quality": quality, "deploy": deploy, "kd": kd}[opt.mode](opt)

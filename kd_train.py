@@ -15,6 +15,24 @@ temperature T, with D one of forward KL, reverse KL, symmetric KL or generalized
 Both models' logits are computed a chunk of tokens at a time, so neither full-vocabulary fp32
 logits tensor ever exists. The teacher is sharded like the student, runs under no_grad and
 holds no optimizer state.
+
+Distillation from a stored teacher: write the teacher's top-k log-probabilities over every train
+window once (all processes in parallel, resumable: rerun the same command after a kill), then
+train any number of students from the store without loading the teacher
+$ python kd_train.py config/tiny_kd.py --topk_write=True --teacher_topk=256 --teacher_topk_dir=data/stdlib/teacher_tiny
+$ torchrun --standalone --nproc_per_node 8 kd_train.py config/llama_kd.py --topk_write=True --teacher_topk_dir=...
+$ python kd_train.py config/tiny_kd.py --teacher_topk_dir=data/stdlib/teacher_tiny
+The store (teacher_topk_dir, default data_dir/teacher_topk) holds ids.bin (uint16, or uint32 past
+65536 tokens) and logprobs.bin (float16), both (train windows * block_size, k) with row
+w * block_size + t the target t of window w, as get_batch cuts it; done.bin (one byte per group
+of batch_size windows written); meta.json (k, temperature, teacher, data and tokenizer
+fingerprints, windows done, the teacher's val loss, and "complete", set last). 4k bytes a token
+(6k with uint32 ids). float16 rather than bfloat16: for log-probs in [-32, 0], where the mass is,
+float16's 11-bit mantissa rounds a probability by < 0.8% and bfloat16's 8 bits by up to 6%, and
+float16's range (down to -65504) is no limit for log-probs. They are the teacher's at the writing
+run's kd_temperature, and training refuses another temperature: p_T(i) = p(i)^(1/T) / sum_j
+p(j)^(1/T) needs every tail probability, which a top-k store does not hold. The KD term is then
+exact over k + 1 buckets (see stored_chunk_losses).
 """
 
 import importlib.util
@@ -87,6 +105,12 @@ kd_divergence = "fkl"  # 'fkl' forward KL, 'rkl' reverse KL, 'skl' symmetric KL,
 kd_ratio = 0.5  # weight of the KD term; 1 - kd_ratio goes to cross-entropy with the labels
 kd_temperature = 1.0  # softens both distributions; the KD term is scaled by T^2 to keep its gradient size
 jsd_beta = 0.5  # the JSD's teacher weight in the mixture; -> 0 gives forward KL, -> 1 reverse KL
+# a stored teacher: its top-k log-probabilities over the train windows, written once
+teacher_topk_dir = ""  # distill from this store instead of running teacher_init ('': online KD)
+topk_write = False  # write teacher_init's top-k into teacher_topk_dir (default data_dir/teacher_topk), then exit
+# k, the tokens per position a store keeps (with topk_write): at vocab 4096 (bench.py kd) k = 8, 16,
+# 32, 64, 256, 1024 closed 46, 51, 59, 68, 86, 100% of online KD's gap at equal speed; 1 KiB a token
+teacher_topk = 256
 # LoRA (0: full finetune)
 lora_rank = 0
 lora_alpha = 16.0
@@ -135,7 +159,8 @@ seed = 1337
 from configurator import configure
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
-                                                    "log_interval", "ckpt_interval", "kd_temperature"))
+                                                    "log_interval", "ckpt_interval", "kd_temperature",
+                                                    "teacher_topk"))
 
 # derived values and checks: every mistake a user can make fails here, before any real work
 torchrun = "RANK" in os.environ  # launched by torchrun: the process group comes from its variables
@@ -185,7 +210,8 @@ if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_avai
     fail(f"device={device!r} is not available here; use 'cpu' or, with a visible GPU, 'cuda'")
 if device == "cpu" and (cpu_offload or activation_offloading):
     fail("cpu_offload and activation_offloading move data off a GPU; they need device='cuda'")
-gradient_accumulation_steps = gradient_accumulation_steps or world_size
+# recorded as derived: a resume compares it, and 0 would mean another batch on another process count
+gradient_accumulation_steps = config["gradient_accumulation_steps"] = gradient_accumulation_steps or world_size
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
 if lora_rank and init_from == "scratch":
@@ -206,7 +232,11 @@ TO_SINGLE_FILE = ("python -c \"from torch.distributed.checkpoint.format_utils im
                   "dcp_to_torch_save('{0}', '{0}.pt')\"")
 resume_path = sharded_dir(out_dir) or os.path.join(out_dir, "ckpt.pt")
 sharded_from = resume_path if init_from == "resume" and sharded_dir(resume_path) else None
-for name, path in (("init_from", resume_path if init_from == "resume" else init_from), ("teacher_init", teacher_init)):
+if topk_write and not teacher_topk_dir:
+    teacher_topk_dir = config["teacher_topk_dir"] = os.path.join(data_dir, "teacher_topk")
+from_store = bool(teacher_topk_dir) and not topk_write  # distill from the store: no teacher is loaded
+for name, path in (("init_from", resume_path if init_from == "resume" else init_from),
+                   ("teacher_init", "scratch" if from_store else teacher_init)):
     if path != "scratch" and not os.path.exists(path):
         fail(f"{name}={globals()[name]!r}: {path} does not exist; give a nanotune checkpoint or a Meta / HF directory"
              + (" ('resume' needs a run in out_dir)" if path == resume_path else ""))
@@ -278,7 +308,7 @@ if init_from == "resume":
     same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init", "lora_rank",
             "preset", "n_layer", "n_head", "n_kv_head", "n_embd",
             "lora_alpha", "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding", "quant_skip",
-            "fake_quant_after_n_steps")
+            "fake_quant_after_n_steps", "teacher_topk_dir")
     changed = {k: ckpt["config"][k] for k in same if k in ckpt["config"] and ckpt["config"][k] != globals()[k]}
     if changed:
         fail(f"{resume_path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
@@ -300,18 +330,65 @@ if init_from != "resume":
         model_args.__post_init__()  # validates the LoRA targets
     except ValueError as e:
         fail(str(e))
-teacher_args, teacher_state = load_or_fail("teacher_init", teacher_init)
+teacher_args, teacher_state = (None, None) if from_store else load_or_fail("teacher_init", teacher_init)
 
 # vocabularies: rows past the tokenizer's size are padding and are sliced off; more rows than
 # padding would explain means the two models were trained with different tokenizers
 n_vocab = data_meta["vocab_size"]
-for who, args in (("student", model_args), ("teacher", teacher_args)):
+for who, args in (("student", model_args), ("teacher", teacher_args or model_args)):
     if args.vocab_size < n_vocab:
         fail(f"the data in {data_dir} uses {n_vocab} token ids but the {who} has only {args.vocab_size}; prepare the data with the models' tokenizer")
     if args.vocab_size - n_vocab >= 1024:
         fail(f"the {who} has {args.vocab_size} vocabulary rows but the data's tokenizer only {n_vocab}: more than padding, so the {who} uses another tokenizer; teacher and student must share one")
-if block_size > min(model_args.max_seq_len, teacher_args.max_seq_len):
-    fail(f"block_size={block_size} exceeds max_seq_len (student {model_args.max_seq_len}, teacher {teacher_args.max_seq_len})")
+if block_size > min(model_args.max_seq_len, (teacher_args or model_args).max_seq_len):
+    fail(f"block_size={block_size} exceeds max_seq_len (student {model_args.max_seq_len}, teacher {(teacher_args or model_args).max_seq_len})")
+if topk_write and teacher_topk > n_vocab:
+    fail(f"teacher_topk={teacher_topk} exceeds the data's {n_vocab} token ids; k = {n_vocab} stores the whole distribution")
+
+# the teacher top-k store: what it was written from, so that it can only meet the same data, tokenizer,
+# windows and temperature; a store still being written is never read
+store_meta = None
+if topk_write or from_store:
+    store_meta_path = os.path.join(teacher_topk_dir, "meta.json")
+    if os.path.exists(store_meta_path):
+        with open(store_meta_path) as f:
+            store_meta = json.load(f)
+if from_store:
+    if store_meta is None:
+        fail(f"teacher_topk_dir={teacher_topk_dir!r} holds no store (no meta.json); write one with topk_write=True")
+    if not store_meta["complete"]:
+        fail(f"the store in {teacher_topk_dir} is incomplete ({store_meta['windows_done']} of {store_meta['n_windows']} "
+             f"windows); finish it by rerunning its topk_write=True command")
+    if store_meta["data"] != data_meta.get("data"):
+        fail(f"the store in {teacher_topk_dir} was written from other data than {data_dir} (its files differ); "
+             f"write a store for this data with topk_write=True")
+    if store_meta["tokenizer"] != data_tokenizer:
+        diff = tokenizer_mismatch(store_meta["tokenizer"], data_tokenizer) if store_meta["tokenizer"] and data_tokenizer else "one has none"
+        fail(f"the store in {teacher_topk_dir} was written with another tokenizer than the data in {data_dir} ({diff}); "
+             f"write a store for this data with topk_write=True")
+    if store_meta["vocab_size"] != n_vocab:
+        fail(f"the store in {teacher_topk_dir} has a vocabulary of {store_meta['vocab_size']} tokens, the data {n_vocab}; "
+             f"write a store for this data with topk_write=True")
+    if store_meta["block_size"] != block_size:
+        fail(f"the store in {teacher_topk_dir} holds windows of block_size={store_meta['block_size']}; set block_size to it")
+    if store_meta["temperature"] != kd_temperature:
+        fail(f"the store in {teacher_topk_dir} holds the teacher at temperature {store_meta['temperature']}, not "
+             f"kd_temperature={kd_temperature} (the tail of a top-k store cannot be re-tempered); set kd_temperature to it "
+             f"or write a store at this temperature")
+store_spec = None  # what a store written now is made of, and how its work is cut
+if topk_write:
+    store_spec = json.loads(json.dumps({  # through JSON, so that it compares equal to a meta.json read back
+        "k": teacher_topk, "temperature": kd_temperature, "block_size": block_size, "vocab_size": n_vocab,
+        "ids_dtype": "uint16" if n_vocab <= 2 ** 16 else "uint32", "logprobs_dtype": "float16",
+        "batch_size": batch_size, "teacher_init": teacher_init, "teacher_args": vars(teacher_args),
+        "data": data_meta.get("data"), "tokenizer": data_tokenizer}))
+    if store_meta is not None and (changed := [k for k in store_spec if store_meta.get(k) != store_spec[k]]):
+        fail(f"{teacher_topk_dir} holds a store written with other {', '.join(changed)}; rerun with its settings to "
+             f"finish it, or give another teacher_topk_dir")
+    if store_meta is not None and store_meta["complete"]:
+        if master_process:
+            print(f"the store in {teacher_topk_dir} is complete; nothing to write")
+        sys.exit(0)
 if quant_bits is not None and (bad := {k: w for k, w in (("dim", model_args.dim), ("hidden", model_args.hidden_dim)) if w % group_size}):
     fail(f"group_size={group_size} does not divide the student's layer widths {bad}; pick a divisor of {math.gcd(model_args.dim, model_args.hidden_dim)}")
 with torch.device("meta"):
@@ -413,12 +490,33 @@ def get_batch(split, windows):
     return x, y, pos
 
 
+def store_memmaps(mode="r"):
+    """The store's top-k ids and log-probs, (train windows * block_size, k) each."""
+    shape = (store_meta["n_windows"] * block_size, store_meta["k"])
+    return (np.memmap(os.path.join(teacher_topk_dir, "ids.bin"), dtype=store_meta["ids_dtype"], mode=mode, shape=shape),
+            np.memmap(os.path.join(teacher_topk_dir, "logprobs.bin"), dtype=np.float16, mode=mode, shape=shape))
+
+
+def stored_topk(windows):
+    """The stored teacher's top-k token ids (int64) and log-probs (float32), (B, T, k) each, for
+    train windows: the targets of get_batch("train", windows), row for row."""
+    ids, logp = store_memmaps()
+    rows = (windows[:, None] * block_size + torch.arange(block_size)).flatten().numpy()
+    ids = torch.from_numpy(ids[rows].astype(np.int64)).view(len(windows), block_size, -1)
+    logp = torch.from_numpy(logp[rows].astype(np.float32)).view(len(windows), block_size, -1)
+    if device_type == "cuda":
+        ids, logp = ids.pin_memory().to(device, non_blocking=True), logp.pin_memory().to(device, non_blocking=True)
+    return ids, logp
+
+
 def train_batches(it):
     """This process's micro-batches for step `it`: the step's slice of the epoch order, cut in
-    gradient_accumulation_steps micro-batches, every world_size-th one ours."""
+    gradient_accumulation_steps micro-batches, every world_size-th one ours. Each is (x, y, pos,
+    the stored teacher's (ids, log-probs) or None)."""
     epoch, step = divmod(it, steps_per_epoch)
     windows = epoch_order(epoch)[step * global_batch: (step + 1) * global_batch]
-    return [get_batch("train", w) for w in windows.view(gradient_accumulation_steps, batch_size)[rank::world_size]]
+    return [(*get_batch("train", w), stored_topk(w) if from_store else None)
+            for w in windows.view(gradient_accumulation_steps, batch_size)[rank::world_size]]
 
 
 # -----------------------------------------------------------------------------
@@ -426,10 +524,11 @@ def train_batches(it):
 # fake-quantized and may carry LoRA adapters; the teacher is frozen.
 with torch.device("meta"):
     model = Transformer(model_args)
-    teacher = Transformer(teacher_args)
+    teacher = Transformer(teacher_args) if teacher_args else None  # None: distilled from a store
 model.to(param_dtype)
-teacher.to(ptdtype)  # no master weights needed: it never steps
-teacher.requires_grad_(False)
+if teacher is not None:
+    teacher.to(ptdtype)  # no master weights needed: it never steps
+    teacher.requires_grad_(False)
 if lora_rank:
     mark_only_lora_trainable(model)
 
@@ -481,7 +580,7 @@ if compile:
     # a graph break inside torchao's fake quantizer (seen with torch 2.11 on CUDA) compiles each
     # linear's shape separately; the default limit of 8 would then fall back to eager mid-model
     torch._dynamo.config.recompile_limit = 64
-    for block in list(model.layers) + list(teacher.layers):
+    for block in list(model.layers) + (list(teacher.layers) if teacher is not None else []):
         block.compile()
 
 # FSDP2: one unit per block, the embedding its own; the root keeps the final norm and output,
@@ -489,7 +588,7 @@ if compile:
 # loss below can call both output layers directly
 mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
 offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-for m in (model, teacher):
+for m in filter(None, (model, teacher)):
     # the teacher never runs backward: its blocks would gain nothing from staying gathered
     kw = dict(mesh=mesh, mp_policy=mp_policy if m is model else MixedPrecisionPolicy(),
               reshard_after_forward=reshard_after_forward or m is teacher, offload_policy=offload)
@@ -528,9 +627,10 @@ if master_process and not sharded_from:
 broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 if not sharded_from:  # a sharded checkpoint is read after the optimizer exists, with its state
     set_model_state_dict(model, init_state if master_process else {}, options=broadcast)
-set_model_state_dict(teacher, teacher_state if master_process else {}, options=broadcast)
+if teacher is not None:
+    set_model_state_dict(teacher, teacher_state if master_process else {}, options=broadcast)
+    teacher.eval()
 del init_state, teacher_state
-teacher.eval()
 
 # -----------------------------------------------------------------------------
 # optimizer: AdamW over the trainable parameters (the adapters alone with LoRA), decay on matrices
@@ -620,24 +720,60 @@ def chunk_losses(hs, ht, y):
     return ce, kd
 
 
+def stored_chunk_losses(hs, t_ids, t_logp, y):
+    """Summed CE and KD over one chunk of tokens against the stored teacher: hs (N, Cs), t_ids and
+    t_logp (N, k) its k likeliest tokens and their log-probs at kd_temperature, y (N,).
+
+    The teacher's tail, the mass 1 - sum(top k) it puts outside its top k, is one bucket "rest",
+    compared with the student's mass on those same tokens: both distributions coarse-grained onto
+    the same k + 1 buckets, so every divergence is well defined, none exceeds its full-vocabulary
+    value (coarse-graining never increases an f-divergence), and k = vocabulary gives the full
+    one. Renormalizing the top k instead would make the teacher look surer than it is and leave
+    the student free to put any mass outside the top k."""
+    s_logits = model.output(hs).float()  # (N, V)
+    keep = y != IGNORE_INDEX
+    s_logp = F.log_softmax(s_logits[:, :n_vocab] / kd_temperature, -1)
+    if kd_temperature == 1 and s_logits.shape[1] == n_vocab:  # the CE's own log-probs: one softmax saved
+        ce = F.nll_loss(s_logp, y, ignore_index=IGNORE_INDEX, reduction="sum")
+    else:
+        ce = F.cross_entropy(s_logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+    s_buckets = s_logp.gather(-1, t_ids)  # (N, k)
+    if t_ids.shape[1] < n_vocab:
+        # each rest is 1 - sum(top k), floored at float32's epsilon: 0 * log 0 would be NaN, and float16
+        # rounding can take the teacher's stored sum past 1 (log_softmax below renormalizes the buckets).
+        # The student's as log(-expm1(log sum)): exact down to the floor, without a (N, V) pass
+        eps = torch.finfo(torch.float32).eps
+        s_rest = torch.log(-torch.expm1(s_buckets.logsumexp(-1, keepdim=True).clamp(max=math.log1p(-eps))))
+        t_rest = (1 - t_logp.exp().sum(-1, keepdim=True)).clamp(min=eps).log()
+        s_buckets, t_logp = torch.cat((s_buckets, s_rest), -1), torch.cat((t_logp, t_rest), -1)
+    t_buckets = F.log_softmax(t_logp, -1)  # renormalized: float16 log-probs sum to 1 only within rounding
+    kd = (divergence(s_buckets, t_buckets) * keep).sum() * kd_temperature ** 2
+    return ce, kd
+
+
 if compile:
     chunk_losses = torch.compile(chunk_losses)
+    stored_chunk_losses = torch.compile(stored_chunk_losses)
 # tokens per chunk: by default 1048 at vocab 32000, whose fp32 logits then take 134 MB per model
-chunk_tokens = loss_chunk or max(1, LOGITS_PER_CHUNK // max(model_args.vocab_size, teacher_args.vocab_size))
+chunk_tokens = loss_chunk or max(1, LOGITS_PER_CHUNK // max(model_args.vocab_size, (teacher_args or model_args).vocab_size))
 
 
-def distill_loss(x, y, pos):
-    """Summed (CE, KD) of a micro-batch (B, T); pos: positions within packed samples, or None."""
+def distill_loss(x, y, pos, topk=None):
+    """Summed (CE, KD) of a micro-batch (B, T); pos: positions within packed samples, or None;
+    topk: the stored teacher's (ids, log-probs), each (B, T, k), or None to run the teacher."""
     hs = model.hidden(x, pos).flatten(0, 1)  # (B*T, Cs)
-    with torch.no_grad():
-        ht = teacher.hidden(x, pos).flatten(0, 1)  # (B*T, Ct)
+    if topk is None:
+        with torch.no_grad():
+            teacher_side, losses = (teacher.hidden(x, pos).flatten(0, 1),), chunk_losses  # (B*T, Ct)
+    else:
+        teacher_side, losses = tuple(t.flatten(0, 1) for t in topk), stored_chunk_losses  # (B*T, k) each
     y = y.flatten()
     if hs.shape[0] <= chunk_tokens:
-        return chunk_losses(hs, ht, y)
+        return losses(hs, *teacher_side, y)
     ce, kd = torch.zeros((), device=hs.device), torch.zeros((), device=hs.device)
     for c in range(0, hs.shape[0], chunk_tokens):
         sl = slice(c, c + chunk_tokens)
-        ce_c, kd_c = checkpoint(chunk_losses, hs[sl], ht[sl], y[sl], use_reentrant=False)
+        ce_c, kd_c = checkpoint(losses, hs[sl], *(t[sl] for t in teacher_side), y[sl], use_reentrant=False)
         ce, kd = ce + ce_c, kd + kd_c
     return ce, kd
 
@@ -736,6 +872,97 @@ def save_checkpoint():
             os.remove(single)
 
 
+# -----------------------------------------------------------------------------
+# writing the teacher's top-k store (topk_write=True): every train window once, in groups of
+# batch_size windows dealt out to the processes. A group's rows reach the disk before its byte in
+# done.bin does, so a killed write resumes where it stopped, redoing at most the groups in flight;
+# a group is always one forward of the same windows, so a resumed write equals a straight one.
+
+
+def write_store_meta():
+    tmp = store_meta_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(store_meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, store_meta_path)
+
+
+def group_windows(groups):
+    # windows in each group: batch_size, fewer in the last one
+    groups = np.asarray(groups)
+    return np.minimum((groups + 1) * batch_size, n_windows["train"]) - groups * batch_size
+
+
+def write_topk():
+    global store_meta
+    n_groups = math.ceil(n_windows["train"] / batch_size)
+    done_path = os.path.join(teacher_topk_dir, "done.bin")
+    if master_process and store_meta is None:  # a new store: its files at full size, then its meta
+        os.makedirs(teacher_topk_dir, exist_ok=True)
+        store_meta = {**store_spec, "n_windows": n_windows["train"], "windows_done": 0, "teacher_val_loss": None,
+                      "complete": False}
+        for m in store_memmaps("w+"):
+            m.flush()
+        np.zeros(n_groups, np.uint8).tofile(done_path)
+        write_store_meta()
+    dist.barrier()
+    with open(store_meta_path) as f:
+        store_meta = json.load(f)
+    todo = np.flatnonzero(np.fromfile(done_path, dtype=np.uint8) == 0)
+    dist.barrier()  # every process has read done.bin before any writes to it, so all deal the same groups
+    n_rounds = math.ceil(len(todo) / world_size)
+    deal = np.full(n_rounds * world_size, -1)  # -1: an idle turn, still one forward (FSDP's is a collective)
+    deal[:len(todo)] = todo
+    deal = deal.reshape(n_rounds, world_size)
+    k, ids_dtype = store_meta["k"], np.dtype(store_meta["ids_dtype"])
+    pbar = tqdm(total=n_windows["train"], initial=n_windows["train"] - int(group_windows(todo).sum()), unit="window",
+                desc=f"teacher top-{k}", dynamic_ncols=True, disable=not master_process)
+    for groups in deal:
+        g = int(groups[rank])
+        windows = torch.full((batch_size,), -1)
+        if g >= 0:
+            windows[:group_windows(g)] = torch.arange(g * batch_size, g * batch_size + group_windows(g))
+        x, _, pos = get_batch("train", windows)
+        with torch.no_grad():
+            ht = teacher.hidden(x, pos).flatten(0, 1)  # (B*T, Ct)
+            tops = [F.log_softmax(teacher.output(ht[c: c + chunk_tokens]).float()[:, :n_vocab] / kd_temperature, -1).topk(k)
+                    for c in range(0, ht.shape[0], chunk_tokens)]
+        if g >= 0:
+            n = int(group_windows(g)) * block_size
+            rows = slice(g * batch_size * block_size, g * batch_size * block_size + n)
+            ids, logp = store_memmaps("r+")
+            ids[rows] = torch.cat([t.indices for t in tops])[:n].cpu().numpy().astype(ids_dtype)
+            logp[rows] = torch.cat([t.values for t in tops])[:n].half().cpu().numpy()
+            ids.flush()
+            logp.flush()
+            done = np.memmap(done_path, dtype=np.uint8, mode="r+")
+            done[g] = 1
+            done.flush()
+        pbar.update(int(group_windows(groups[groups >= 0]).sum()))
+        if master_process:  # progress for a reader of meta.json; done.bin is what a resume trusts
+            done = np.fromfile(done_path, dtype=np.uint8)
+            store_meta["windows_done"] = int(group_windows(np.flatnonzero(done)).sum())
+            write_store_meta()
+    pbar.close()
+    dist.barrier()
+    if not np.fromfile(done_path, dtype=np.uint8).all():  # cannot happen unless another writer shares the store
+        raise RuntimeError(f"{done_path} still has unwritten groups after a full pass; rerun the write")
+    teacher_val_loss = evaluate(teacher, full=True)
+    if master_process:
+        store_meta.update(windows_done=n_windows["train"], teacher_val_loss=teacher_val_loss, complete=True)
+        write_store_meta()  # last: only now may a training run read the store
+        per_token = k * (ids_dtype.itemsize + 2)
+        print(f"wrote {teacher_topk_dir}: top-{k} of {n_windows['train'] * block_size:,} tokens at temperature "
+              f"{kd_temperature}, {per_token} bytes per token ({per_token * n_windows['train'] * block_size / 2 ** 20:,.1f} MiB); "
+              f"teacher val loss {teacher_val_loss:.4f}")
+
+
+if topk_write:
+    write_topk()
+    dist.destroy_process_group()
+    sys.exit(0)
+
 log_file = None
 if master_process:
     log_file = open(os.path.join(out_dir, "log.jsonl"), "a+")
@@ -769,15 +996,16 @@ def peak_memory_gb():
 # -----------------------------------------------------------------------------
 # training loop
 # a KD step costs the student's training FLOPs plus one teacher forward (a third of its training FLOPs)
-flops_token = flops_per_token(model_args, block_size) + flops_per_token(teacher_args, block_size) / 3
+flops_token = flops_per_token(model_args, block_size) + (flops_per_token(teacher_args, block_size) / 3 if teacher else 0)
 peak, peak_source = (peak_flops_per_device, "given") if peak_flops_per_device else peak_flops(device_type, ptdtype)
-if teacher_val_loss is None:  # once per run: a resumed run has it from its checkpoint
-    teacher_val_loss = evaluate(teacher, full=True)
+if teacher_val_loss is None:  # once per run: a resumed run has it from its checkpoint, a store from its writing
+    teacher_val_loss = store_meta["teacher_val_loss"] if from_store else evaluate(teacher, full=True)
     log({"iter": iter_num, "teacher_val_loss": teacher_val_loss})
 if master_process:
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    teacher_desc = f"top-{store_meta['k']} store {teacher_topk_dir}" if from_store else f"{sum(p.numel() for p in teacher.parameters()):,}"
     print(f"student {sum(p.numel() for p in model.parameters()):,} parameters ({n_train:,} trained), "
-          f"teacher {sum(p.numel() for p in teacher.parameters()):,}; teacher val loss {teacher_val_loss:.4f}")
+          f"teacher {teacher_desc}; teacher val loss {teacher_val_loss:.4f}")
     print(f"{flops_token / 1e6:.1f} MFLOPs per token, peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
 profiler = nullcontext()
 if profile:
@@ -809,15 +1037,15 @@ with profiler as prof:
         # normalize by the unmasked tokens of the whole step, over every micro-batch and rank, so
         # the gradient does not depend on how the global batch is split; FSDP averages over ranks,
         # hence the world_size factor
-        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in batches)
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _, _ in batches)
         dist.all_reduce(n_tokens)
         n_tokens.clamp_(min=1)  # a step whose every target is masked contributes nothing, not NaN
         ce_sum, kd_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-        for micro, (x, y, pos) in enumerate(batches):
+        for micro, (x, y, pos, topk) in enumerate(batches):
             if accumulate_unsharded:  # reduce once per step; else each micro-batch's gradient is reduce-scattered
                 model.set_requires_gradient_sync(micro == len(batches) - 1)
             with offload_ctx:
-                ce, kd = distill_loss(x, y, pos)
+                ce, kd = distill_loss(x, y, pos, topk)
             ((1 - kd_ratio) * ce + kd_ratio * kd).mul(world_size / n_tokens).backward()
             ce_sum, kd_sum = ce_sum + ce.detach(), kd_sum + kd.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)

@@ -153,7 +153,8 @@ if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_avai
     fail(f"device={device!r} is not available here; use 'cpu' or, with a visible GPU, 'cuda'")
 if device == "cpu" and (cpu_offload or activation_offloading):
     fail("cpu_offload and activation_offloading move data off a GPU; they need device='cuda'")
-gradient_accumulation_steps = gradient_accumulation_steps or world_size
+# recorded as derived: a resume compares it, and 0 would mean another batch on another process count
+gradient_accumulation_steps = config["gradient_accumulation_steps"] = gradient_accumulation_steps or world_size
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
 micro_steps = gradient_accumulation_steps // world_size  # micro-batches per process per step

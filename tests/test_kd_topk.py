@@ -1,0 +1,193 @@
+"""kd_train.py with a stored teacher: the top-k store written once (1 and 2 processes, killed and
+resumed), KD from it against online KD and against k + 1-bucket formulas written here, resume,
+and the stores a run must refuse."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_data, read_log, run, run_early_exits
+from test_kd_train import BASE, ENV, V, load_model, run_in_one_process, save_model, train_lines
+
+# gradient_accumulation_steps given: resume compares the setting as given with its derived value
+COMMON = dict(BASE, kd_ratio=0.5, learning_rate=1e-2, gradient_accumulation_steps=1)
+
+
+def read_store(d):
+    with open(os.path.join(d, "meta.json")) as f:
+        meta = json.load(f)
+    shape = (meta["n_windows"] * meta["block_size"], meta["k"])
+    ids = np.fromfile(os.path.join(d, "ids.bin"), dtype=meta["ids_dtype"]).reshape(shape)
+    logp = np.fromfile(os.path.join(d, "logprobs.bin"), dtype=np.float16).reshape(shape)
+    return meta, ids, logp
+
+
+def first_windows(data_dir, seed, block_size, n):
+    tokens = np.fromfile(os.path.join(data_dir, "train.bin"), dtype=np.uint16).astype(np.int64)
+    epoch_seed = int(np.random.SeedSequence([seed, 0]).generate_state(1)[0])  # (seed, epoch 0), as kd_train.py
+    order = torch.randperm((len(tokens) - 1) // block_size, generator=torch.Generator().manual_seed(epoch_seed))
+    windows = order[:n]
+    x = torch.from_numpy(np.stack([tokens[w * block_size: w * block_size + block_size] for w in windows.tolist()]))
+    return windows, x
+
+
+@torch.no_grad()
+def bucket_reference(kind, store_dir, settings, beta=0.5):
+    """The first step's mean KD term from the store's rows, in float64 probabilities: the teacher's
+    top k plus a rest bucket 1 - sum (none when k is the vocabulary), the student's mass on the same."""
+    meta, ids, logp = read_store(store_dir)
+    T, bs = meta["temperature"], settings["block_size"]
+    windows, x = first_windows(settings["data_dir"], settings["seed"], bs, settings["batch_size"])
+    rows = (windows[:, None] * bs + torch.arange(bs)).flatten().numpy()
+    ids, p = torch.from_numpy(ids[rows].astype(np.int64)), torch.from_numpy(logp[rows].astype(np.float64)).exp()
+    q_full = F.softmax(load_model(settings["init_from"])(x)[..., :V].flatten(0, 1).double() / T, -1)
+    q = q_full.gather(-1, ids)
+    if meta["k"] < V:
+        p = torch.cat((p, (1 - p.sum(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).eps)), -1)
+        q = torch.cat((q, (1 - q.sum(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).eps)), -1)
+    p = p / p.sum(-1, keepdim=True)
+
+    def kl(a, b):
+        return (a * (a / b).log()).sum(-1)
+
+    div = {"fkl": lambda: kl(p, q), "rkl": lambda: kl(q, p), "skl": lambda: (kl(p, q) + kl(q, p)) / 2,
+           "jsd": lambda: (beta * kl(p, beta * p + (1 - beta) * q) + (1 - beta) * kl(q, beta * p + (1 - beta) * q))
+           / (beta * (1 - beta))}[kind]()
+    return (div.mean() * T ** 2).item()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("topk")
+    data, teacher, student = make_data(d / "data"), save_model(d / "teacher.pt", seed=1, out_scale=15.0), save_model(
+        d / "student.pt", seed=3, out_scale=3.0)
+    common = dict(COMMON, data_dir=data, teacher_init=teacher, init_from=student, max_iters=3)
+    stores = {"full": dict(teacher_topk=V), "full_T2": dict(teacher_topk=V, kd_temperature=2.0), "k8": dict(teacher_topk=8)}
+    cases = {  # name: (store or None for online, settings)
+        **{f"{kind}_{src or 'online'}": (src, dict(kd_divergence=kind)) for kind in ("fkl", "rkl", "skl") for src in (None, "full")},
+        "jsd_online": (None, dict(kd_divergence="jsd", jsd_beta=0.3)),
+        "jsd_full": ("full", dict(kd_divergence="jsd", jsd_beta=0.3)),
+        "fkl_T2_online": (None, dict(kd_divergence="fkl", kd_temperature=2.0)),
+        "fkl_T2_full": ("full_T2", dict(kd_divergence="fkl", kd_temperature=2.0)),
+        "fkl_k8": ("k8", dict(kd_divergence="fkl")), "jsd_k8": ("k8", dict(kd_divergence="jsd", jsd_beta=0.3)),
+        "rkl_k8": ("k8", dict(kd_divergence="rkl")),
+    }
+    out = {"data": data, "teacher": teacher, "student": student, "common": common, "dir": d, "cases": cases}
+    jobs = [("kd_train.py", dict(common, out_dir=str(d / f"w_{s}"), topk_write=True, teacher_topk_dir=str(d / s), **kw))
+            for s, kw in stores.items()]
+    for name, (store, kw) in cases.items():
+        jobs.append(("kd_train.py", dict(common, out_dir=str(d / name), **kw, **({"teacher_topk_dir": str(d / store)} if store else {}))))
+    # resume from the store: 2 steps, then 2 more, against 4 straight
+    res = dict(common, teacher_topk_dir=str(d / "k8"), max_iters=4, ckpt_interval=2)
+    jobs += [("kd_train.py", dict(res, out_dir=str(d / "straight"))),
+             ("kd_train.py", dict(res, out_dir=str(d / "resumed"), max_iters=2, lr_decay_iters=4)),
+             ("kd_train.py", dict(res, out_dir=str(d / "resumed"), init_from="resume"))]
+    run_in_one_process(jobs, d)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fkl", "rkl", "skl", "jsd", "fkl_T2"])
+def test_full_store_equals_online_kd(runs, kind):
+    """k = vocabulary stores the whole distribution: the same losses as online KD, step for step, to
+    float16's rounding of the log-probs."""
+    online, stored = (train_lines(read_log(runs["dir"] / f"{kind}_{s}")) for s in ("online", "full"))
+    assert len(online) == len(stored) == 3
+    for a, b in zip(online, stored):
+        assert b["class_loss"] == pytest.approx(a["class_loss"], rel=2e-3)
+        assert b["kd_loss"] == pytest.approx(a["kd_loss"], rel=2e-3, abs=1e-4)
+    assert online[0]["class_loss"] == stored[0]["class_loss"]  # same windows, same student
+
+
+@pytest.mark.parametrize("case", ["fkl_full", "rkl_full", "skl_full", "jsd_full", "fkl_T2_full", "fkl_k8", "rkl_k8", "jsd_k8"])
+def test_first_step_against_bucket_formula(runs, case):
+    store, kw = runs["cases"][case]
+    first = train_lines(read_log(runs["dir"] / case))[0]
+    ref = bucket_reference(kw["kd_divergence"], runs["dir"] / store, dict(runs["common"], **kw), kw.get("jsd_beta", 0.5))
+    assert first["kd_loss"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_top8_store(runs):
+    meta, ids, logp = read_store(runs["dir"] / "k8")
+    assert meta["complete"] and meta["windows_done"] == meta["n_windows"] == (8192 - 1) // 32
+    assert ids.dtype == np.uint16 and logp.dtype == np.float16 and ids.shape == (meta["n_windows"] * 32, 8)
+    assert (np.diff(logp.astype(np.float32), axis=1) <= 0).all()  # sorted, likeliest first
+    assert np.exp(logp.astype(np.float64)).sum(1).max() < 1 + 2e-3
+    # the top-k of a distribution covers at most its mass: KD over k + 1 buckets is below the full one
+    assert train_lines(read_log(runs["dir"] / "fkl_k8"))[0]["kd_loss"] < train_lines(read_log(runs["dir"] / "fkl_online"))[0]["kd_loss"]
+
+
+def test_resume_from_store_equals_straight_run(runs):
+    straight, resumed = (train_lines(read_log(runs["dir"] / k)) for k in ("straight", "resumed"))
+    assert [r["loss"] for r in straight] == [r["loss"] for r in resumed]
+    a, b = (torch.load(runs["dir"] / k / "ckpt.pt", weights_only=True)["model"] for k in ("straight", "resumed"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_killed_write_resumes_to_the_straight_write(runs, tmp_path):
+    """The state a kill leaves (some groups done, the rest half-written, meta incomplete) is
+    finished by rerunning the command, to the same bytes as a straight write."""
+    src, dst = runs["dir"] / "k8", tmp_path / "k8"
+    shutil.copytree(src, dst)
+    meta, ids, _ = read_store(dst)
+    done = np.fromfile(dst / "done.bin", dtype=np.uint8)
+    done[1::2] = 0  # every other group unwritten, its rows garbage
+    done.tofile(dst / "done.bin")
+    rows = ids.shape[0]
+    for name, itemsize in (("ids.bin", 2), ("logprobs.bin", 2)):
+        garbage = np.random.default_rng(0).integers(0, 2 ** 16, rows * 8, dtype=np.uint16)
+        garbage.tofile(dst / name)
+    meta.update(complete=False, windows_done=0)
+    (dst / "meta.json").write_text(json.dumps(meta))
+    # a half-written store is refused for training
+    r = run_early_exits("kd_train.py", [(dict(runs["common"], teacher_topk_dir=str(dst), out_dir=str(tmp_path / "o")), None)])[0]
+    assert r.returncode == 2 and "incomplete" in r.stderr
+    # the rows of done groups are trusted as they are: restore them, as a kill would have left them
+    _, ids_src, logp_src = read_store(src)
+    ids_g, logp_g = np.memmap(dst / "ids.bin", np.uint16, "r+", shape=ids.shape), np.memmap(dst / "logprobs.bin", np.float16, "r+", shape=ids.shape)
+    per_group = meta["batch_size"] * meta["block_size"]
+    for g in np.flatnonzero(done):
+        ids_g[g * per_group: (g + 1) * per_group], logp_g[g * per_group: (g + 1) * per_group] = (
+            ids_src[g * per_group: (g + 1) * per_group], logp_src[g * per_group: (g + 1) * per_group])
+    ids_g.flush(), logp_g.flush()
+    del ids_g, logp_g
+    run_in_one_process([("kd_train.py", dict(runs["common"], out_dir=str(tmp_path / "w"), topk_write=True,
+                                             teacher_topk=8, teacher_topk_dir=str(dst)))], tmp_path)
+    a, b = read_store(src), read_store(dst)
+    assert a[0] == b[0] and np.array_equal(a[1], b[1]) and np.array_equal(a[2], b[2])
+    assert (dst / "done.bin").read_bytes() == (src / "done.bin").read_bytes()
+
+
+def test_two_process_write_equals_one(runs, tmp_path):
+    run("kd_train.py", nproc=2, env=ENV, **dict(runs["common"], gradient_accumulation_steps=2, out_dir=str(tmp_path / "w"), topk_write=True,
+                                                teacher_topk=8, teacher_topk_dir=str(tmp_path / "k8")))
+    a, b = read_store(runs["dir"] / "k8"), read_store(tmp_path / "k8")
+    assert a[0] == b[0] and np.array_equal(a[1], b[1]) and np.array_equal(a[2], b[2])
+
+
+def test_refusals(runs, tmp_path):
+    d, common = runs["dir"], dict(runs["common"], out_dir=str(tmp_path / "o"))
+    store = str(d / "k8")
+    other_data = make_data(tmp_path / "other", seed=5)
+    other_tok = make_data(tmp_path / "other_tok", tokenizer_id="synthetic-1")  # the same tokens, another tokenizer
+    cases = [
+        (dict(common, teacher_topk_dir=store, data_dir=other_data), "other data"),
+        (dict(common, teacher_topk_dir=store, data_dir=other_tok), "another tokenizer"),
+        (dict(common, teacher_topk_dir=store, block_size=16), "block_size=32"),
+        (dict(common, teacher_topk_dir=store, kd_temperature=2.0), "temperature"),
+        (dict(common, teacher_topk_dir=str(tmp_path / "none")), "no store"),
+        (dict(common, teacher_topk_dir=store, topk_write=True, teacher_topk=16), "other k"),
+        (dict(common, topk_write=True, teacher_topk=V + 1, teacher_topk_dir=str(tmp_path / "s")), "exceeds"),
+    ]
+    results = run_early_exits("kd_train.py", [(settings, None) for settings, _ in cases])
+    for (settings, words), r in zip(cases, results):
+        assert r.returncode == 2, (settings, r.stderr)
+        assert words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # a complete store is not rewritten
+    r = run_early_exits("kd_train.py", [(dict(common, teacher_topk_dir=store, topk_write=True, teacher_topk=8), None)])[0]
+    assert r.returncode == 0 and "complete" in r.stdout
