@@ -94,3 +94,17 @@ def test_data_from_another_tokenizer_is_refused(llama32, tmp_path):
     r = run("kd_train.py", check=False, init_from="scratch", preset="toy", teacher_init=str(hf_dir),
             data_dir=str(other), out_dir=str(tmp_path / "k"), **{**TRAIN, "quantizer": "none"})
     assert r.returncode == 2 and "teacher_init" in r.stderr and "another tokenizer" in r.stderr, r.stderr[-2000:]
+
+
+def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):
+    hf_dir, data = llama32
+    out = tmp_path / "out"
+    run("qat_train.py", init_from=str(hf_dir), data_dir=str(data), out_dir=str(out), **{**TRAIN, "max_iters": 1})
+    # the tokenizer beside the checkpoint by default; another one is refused in one line
+    r = run("sample.py", init_from=str(out / "ckpt.pt"), start="def f(x):", num_samples=1, max_new_tokens=5,
+            temperature=0.0)
+    assert "tokens/s" in r.stdout
+    other = write_sentencepiece(tmp_path / "sp.model")
+    r = run("sample.py", check=False, init_from=str(out / "ckpt.pt"), tokenizer=str(other), max_new_tokens=5)
+    lines = [l for l in r.stderr.splitlines() if l.startswith("error")]
+    assert r.returncode != 0 and len(lines) == 1 and "not the one" in lines[0], r.stderr[-2000:]

@@ -263,6 +263,17 @@ def test_resume_refuses_other_data(train, tmp_path):
 # -----------------------------------------------------------------------------
 # conversion and PTQ
 
+def test_quant_skip_names_whole_modules(train, data, tmp_path):
+    # 'layers.1' is that block and what is inside it, nothing that merely starts with the string
+    out = tmp_path / "skip"
+    run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(train() / "ckpt.pt"),
+                   "convert_only": True, "quantizer": "8da4w", "group_size": 32, "quant_skip": ("layers.1.",)})
+    q = torch.load(out / "quantized.pt", weights_only=False)["model"]
+    assert type(q["layers.0.attention.wq.weight"]) is not torch.Tensor  # converted
+    assert type(q["layers.1.attention.wq.weight"]) is torch.Tensor  # left in full precision
+    assert type(q["output.weight"]) is not torch.Tensor
+
+
 def test_lora_checkpoint_is_merged_and_labels_follow_what_ran(train, data, tmp_path):
     # a LoRA model (kd_train.py's kind) is QAT-converted as what it computes, W + scale * B @ A
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=256,
