@@ -555,7 +555,7 @@ decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
 no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
 optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
-                              lr=learning_rate, betas=(beta1, beta2), fused=device_type == "cuda")
+                              lr=learning_rate, betas=(beta1, beta2), fused=True)  # one kernel per step, on GPUs and CPUs alike
 iter_num = 0
 if init_from == "resume":
     iter_num = ckpt["iter_num"]
