@@ -48,6 +48,10 @@ logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
+from torchao.quantization.granularity import PerToken
+from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
+from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH, _DTYPE_TO_QVALUE_BOUNDS, MappingType, choose_qparams_affine
+from torchao.quantization.utils import _get_per_token_block_size, get_group_qparams_symmetric
 
 from checkpoint import export_executorch, export_hf, export_meta, load_checkpoint, load_provenance
 from data_prep import load_tokenizer, tokenizer_mismatch
@@ -422,8 +426,60 @@ def set_fake_quant(m, enabled):
                 fq.enabled = enabled
 
 
+class _FakeQuantize(torch.autograd.Function):
+    # torchao's fake quantize (scale, round, shift, clamp, and back) in place on one buffer; the
+    # gradient is straight-through except where the clamp held, as torchao's, and needs only that mask
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, qmin, qmax):
+        q = (x * (1.0 / scale)).round_().add_(zero_point)
+        keep = q >= qmin
+        keep &= q <= qmax
+        ctx.save_for_backward(keep)
+        return q.clamp_(qmin, qmax).to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        keep, = ctx.saved_tensors
+        return grad * keep, None, None, None, None
+
+
+class FusedFakeQuantizer(IntxFakeQuantizer):
+    """torchao's per-token (asymmetric) and per-group (symmetric) fake quantizer, with the same
+    scales and zero points from torchao, fake-quantizing in fewer passes over memory."""
+
+    def forward(self, x):
+        if not self.enabled:
+            return x
+        cfg = self.config
+        qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[cfg.dtype]
+        if isinstance(cfg.granularity, PerToken):
+            scale, zero_point = choose_qparams_affine(x, MappingType.ASYMMETRIC, _get_per_token_block_size(x), cfg.dtype, qmin, qmax,
+                                                      eps=cfg.eps, scale_dtype=cfg.scale_precision, zero_point_dtype=cfg.zero_point_precision)
+            shape = (*x.shape[:-1], 1)
+            return _FakeQuantize.apply(x, scale.view(shape), zero_point.view(shape), qmin, qmax)
+        g = cfg.granularity.group_size
+        scale, zero_point = get_group_qparams_symmetric(x, _DTYPE_TO_BIT_WIDTH[cfg.dtype], g, cfg.scale_precision, eps=cfg.eps)
+        shape = (x.shape[0], x.shape[1] // g, 1)
+        fq = _FakeQuantize.apply(x.view(x.shape[0], -1, g), scale.view(shape), zero_point.to(cfg.zero_point_precision).view(shape), qmin, qmax)
+        return fq.view(x.shape)
+
+
+def fuse_fake_quant(m):
+    """Swaps torchao's fake quantizers for FusedFakeQuantizer where it computes the same thing."""
+    for mod in m.modules():
+        for name in ("activation_fake_quantizer", "weight_fake_quantizer"):
+            fq = getattr(mod, name, None)
+            if type(fq) is IntxFakeQuantizer and not fq.config.range_learning and (
+                    isinstance(fq.config.granularity, PerToken) and not fq.config.is_symmetric
+                    or isinstance(fq.config.granularity, PerGroup) and fq.config.is_symmetric):
+                new = FusedFakeQuantizer(fq.config)
+                new.enabled = fq.enabled
+                setattr(mod, name, new)
+
+
 if quant_bits is not None:
     quantize_model(model, "prepare")
+    fuse_fake_quant(model)
     if model_args.tie_embeddings:  # prepare gives the output layer a weight of its own: tie it back
         model.output.weight = model.tok_embeddings.weight
 if activation_checkpointing:
@@ -466,7 +522,7 @@ del init_state
 # optimizer: AdamW, weight decay on matrices only. With optimizer_in_bwd, one AdamW per
 # parameter, stepped by a hook as soon as its gradient is reduced, so gradients never pile up
 params = [p for p in model.parameters() if p.requires_grad]
-opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=device_type == "cuda")  # fused also runs on CPU-offloaded state
+opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=True)  # one kernel per step, on GPUs and CPUs alike
 if optimizer_in_bwd:
     optimizers = [torch.optim.AdamW([p], weight_decay=weight_decay if p.ndim >= 2 else 0.0, **opt_kw) for p in params]
     for p, opt in zip(params, optimizers):

@@ -1,0 +1,93 @@
+"""The training scripts' fast fake quantizer against torchao's own: the same forward to the bit,
+the same gradients within float rounding, and one compiled graph per block."""
+
+import ast
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import ROOT
+
+logging.getLogger("torchao").setLevel(logging.ERROR)
+from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
+from torchao.quantization.qat import QATConfig
+
+from model import ModelArgs, TransformerBlock, rope_tables
+
+HELPERS = ("_FakeQuantize", "FusedFakeQuantizer", "fuse_fake_quant")
+
+
+def helper_source(script):
+    """The torchao imports and the fast fake quant helpers of a training script, as source."""
+    tree = ast.parse((ROOT / script).read_text())
+    nodes = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module.startswith("torchao")
+             or isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in HELPERS]
+    return "import torch\n" + "\n".join(ast.unparse(n) for n in nodes)
+
+
+def helpers():
+    ns = {}
+    exec(helper_source("qat_train.py"), ns)
+    return ns
+
+
+def test_both_scripts_carry_the_same_helpers():
+    assert helper_source("qat_train.py") == helper_source("kd_train.py")
+
+
+def prepared(dtype, config, embedding=False):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(50, 64), nn.Linear(64, 96, bias=False), nn.Linear(96, 32, bias=False)).to(dtype)
+    filt = (lambda mod, path: isinstance(mod, nn.Embedding)) if embedding else (lambda mod, path: isinstance(mod, nn.Linear))
+    quantize_(m, QATConfig(config, step="prepare"), filter_fn=filt)
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", ["8da4w", "8da2w", "4w", "embedding 4w"])
+def test_fused_fake_quant_matches_torchao(dtype, scheme):
+    bits = int(scheme[-2])
+    config = (IntxWeightOnlyConfig(weight_dtype=getattr(torch, f"int{bits}"), granularity=PerGroup(32)) if "8da" not in scheme
+              else Int8DynamicActivationIntxWeightConfig(weight_dtype=getattr(torch, f"int{bits}"), weight_granularity=PerGroup(32)))
+    ref = prepared(dtype, config, embedding=scheme.startswith("embedding"))
+    fast = copy.deepcopy(ref)
+    helpers()["fuse_fake_quant"](fast)
+    swapped = [type(fq).__name__ for mod in fast.modules()
+               for fq in (getattr(mod, "activation_fake_quantizer", None), getattr(mod, "weight_fake_quantizer", None)) if fq]
+    assert swapped and set(swapped) == {"FusedFakeQuantizer"}
+    tokens = torch.randint(50, (4, 16))
+    with torch.no_grad():  # outliers, so that some values hit the clamp and lose their gradient
+        for m in (ref, fast):
+            m[0].weight[:, :3] *= 8
+    out_ref, out_fast = ref(tokens), fast(tokens)
+    assert torch.equal(out_ref, out_fast)  # the converted model's loss equals this forward's
+    grad = torch.randn_like(out_ref)
+    out_ref.backward(grad)
+    out_fast.backward(grad)
+    for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters()):
+        # torchao's backward multiplies by the scale and its inverse: equal up to that rounding
+        tol = 2 ** -20 if dtype == torch.float32 else 2 ** -7
+        assert torch.allclose(p_ref.grad, p_fast.grad, rtol=tol, atol=tol * p_ref.grad.abs().max().item()), name
+        if dtype == torch.float32:  # the same clamped values pass no gradient (bf16 sums may round to 0 apart)
+            assert torch.equal(p_ref.grad == 0, p_fast.grad == 0), name
+    # fake quant off: the plain model
+    for m in (ref, fast):
+        for mod in m.modules():
+            for fq in (getattr(mod, "activation_fake_quantizer", None), getattr(mod, "weight_fake_quantizer", None)):
+                if fq is not None:
+                    fq.enabled = False
+    assert torch.equal(ref(tokens), fast(tokens))
+
+
+def test_compiled_block_is_one_graph():
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
+    block = TransformerBlock(args)
+    quantize_(block, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)),
+                               step="prepare"), filter_fn=lambda mod, path: isinstance(mod, nn.Linear))
+    helpers()["fuse_fake_quant"](block)
+    cos, sin = rope_tables(args.dim // args.n_heads, 16, args.rope_theta)
+    explained = torch._dynamo.explain(block)(torch.randn(2, 16, 64), cos, sin)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
