@@ -557,12 +557,27 @@ def base_config(for_embedding=False):
     return Int8DynamicActivationIntxWeightConfig(weight_dtype=w_dtype, weight_granularity=PerGroup(group_size))
 
 
-def quantize_model(m, step):
-    """step 'prepare' (fake quant), 'convert' (after prepare) or 'ptq' (plain weights -> int)."""
+def quantize_model(m, step, within=""):
+    """step 'prepare' (fake quant), 'convert' (after prepare) or 'ptq' (plain weights -> int), on
+    the whole model or only on the module at path `within` and inside it."""
     for is_emb in (False, True):
         cfg = base_config(for_embedding=is_emb)
-        fn = lambda mod, path: quantize_filter(mod, path) and isinstance(mod, nn.Embedding) == is_emb
+        fn = lambda mod, path: (quantize_filter(mod, path) and isinstance(mod, nn.Embedding) == is_emb
+                                and (path == within or path.startswith(within + ".") or not within))
         quantize_(m, cfg if step == "ptq" else QATConfig(cfg, step=step), filter_fn=fn)
+
+
+def convert_on_device(m, after_training):
+    """Converts m (weights on the host) piece by piece onto the device, so that the device never
+    holds more than the converted pieces and one piece in the compute dtype: after QAT,
+    QATConfig's prepare and convert; else the same scheme on plain weights (PTQ)."""
+    m.reset_buffers(device)
+    for path, piece in [(f"layers.{i}", layer) for i, layer in enumerate(m.layers)] + [
+            ("tok_embeddings", m.tok_embeddings), ("norm", m.norm), ("output", m.output)]:
+        piece.to(device)
+        for step in ("prepare", "convert") if after_training else ("ptq",):
+            quantize_model(m, step, within=path)
+    return m.eval()
 
 
 def set_fake_quant(m, enabled):
@@ -1186,14 +1201,7 @@ if quant_bits is not None:
             state[k] = state[k].to(ptdtype)
         qmodel.load_state_dict(state, assign=True)
         del state
-        qmodel.reset_buffers(device)
-        qmodel.to(device)
-        if qad_trained:  # QATConfig's convert step on the prepared model
-            quantize_model(qmodel, "prepare")
-            quantize_model(qmodel, "convert")
-        else:
-            quantize_model(qmodel, "ptq")
-        qmodel.eval()
+        convert_on_device(qmodel, qad_trained)
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, target count)
         with torch.no_grad():
             for windows in tqdm(torch.arange(math.ceil(n_targets["val"] / block_size)).split(batch_size), desc="eval", leave=False):

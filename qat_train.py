@@ -411,12 +411,27 @@ def base_config(for_embedding=False):
     return Int8DynamicActivationIntxWeightConfig(weight_dtype=w_dtype, weight_granularity=PerGroup(group_size))
 
 
-def quantize_model(m, step):
-    """step 'prepare' (fake quant), 'convert' (after prepare) or 'ptq' (plain weights -> int)."""
+def quantize_model(m, step, within=""):
+    """step 'prepare' (fake quant), 'convert' (after prepare) or 'ptq' (plain weights -> int), on
+    the whole model or only on the module at path `within` and inside it."""
     for is_emb in (False, True):
         cfg = base_config(for_embedding=is_emb)
-        fn = lambda mod, path: quantize_filter(mod, path) and isinstance(mod, nn.Embedding) == is_emb
+        fn = lambda mod, path: (quantize_filter(mod, path) and isinstance(mod, nn.Embedding) == is_emb
+                                and (path == within or path.startswith(within + ".") or not within))
         quantize_(m, cfg if step == "ptq" else QATConfig(cfg, step=step), filter_fn=fn)
+
+
+def convert_on_device(m, after_training):
+    """Converts m (weights on the host) piece by piece onto the device, so that the device never
+    holds more than the converted pieces and one piece in the compute dtype: after QAT,
+    QATConfig's prepare and convert; else the same scheme on plain weights (PTQ)."""
+    m.reset_buffers(device)
+    for path, piece in [(f"layers.{i}", layer) for i, layer in enumerate(m.layers)] + [
+            ("tok_embeddings", m.tok_embeddings), ("norm", m.norm), ("output", m.output)]:
+        piece.to(device)
+        for step in ("prepare", "convert") if after_training else ("ptq",):
+            quantize_model(m, step, within=path)
+    return m.eval()
 
 
 def set_fake_quant(m, enabled):
@@ -606,13 +621,14 @@ def full_state_dict(m, to_cpu=True):
 
 # Conversion runs on rank 0 alone: torchao's quantized tensors are not shardable by FSDP, and
 # converting a copy on every rank is that many times the work and the memory. Rank 0 gathers the
-# weights to host memory in the compute dtype, converts them on its device and evaluates the whole
-# split; the others wait on a CPU (gloo) group whose timeout outlasts that evaluation. Peak per
-# rank for Llama-3.1-8B on 8 x 80 GB (bf16 compute): rank 0 holds 16 GB of gathered bf16 weights in
-# host memory (32 GB for a moment with mixed_precision's fp32 gather), and on its GPU its training
-# shards (the final conversion frees them first) plus the bf16 model being converted (16 GB,
-# shrinking to ~9 GB as each linear becomes int8 codes + scales) plus inference activations:
-# ~26 GB, below training's ~50 GB per GPU (README, "Memory"). The other ranks hold nothing more.
+# weights to host memory in the compute dtype, moves them to its device one block at a time,
+# converting each on arrival (convert_on_device), and evaluates the whole split; the others wait on
+# a CPU (gloo) group whose timeout outlasts that evaluation. Peak per rank for Llama-3.1-8B on
+# 8 x 80 GB (bf16): rank 0 holds 16 GB of gathered bf16 weights in host memory (32 GB for a moment
+# with mixed_precision's fp32 gather); on its GPU, after the training state is freed, the converted
+# model (int8 codes and scales, ~1 byte a weight: ~8 GB, the embedding 1 GB in bf16) plus one
+# block in bf16 (0.4 GB) plus inference activations: ~10 GB, below the 12.6 GB of the leanest
+# training plan (pure bf16, activation checkpointing; README, "Memory"). The others hold nothing more.
 wait_group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
 
 
@@ -635,14 +651,7 @@ def convert_and_evaluate(state, after_qat):
         with torch.device("meta"):
             qm = Transformer(model_args)
         qm.load_state_dict(state, assign=True)
-        qm.reset_buffers(device)
-        qm.to(device)
-        if after_qat:  # QATConfig's convert step on the prepared model
-            quantize_model(qm, "prepare")
-            quantize_model(qm, "convert")
-        else:  # the same scheme on weights trained without fake quant: post-training quantization
-            quantize_model(qm, "ptq")
-        qm.eval()
+        convert_on_device(qm, after_qat)
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, target count)
         with torch.no_grad():
             for windows in tqdm(torch.arange(math.ceil(n_targets["val"] / block_size)).split(batch_size), desc="eval", leave=False):
