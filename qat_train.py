@@ -589,18 +589,19 @@ def fake_quant_on(it):
 
 
 @torch.no_grad()
-def evaluate(m, full=False, it=0):
+def evaluate(m, full=False, it=0, alone=False):
     """Mean validation loss: eval_iters random batches, or (full=True) every token of the split
     exactly once, the last partial window included. Every rank runs the same number of forwards
     (padding with ignored windows), since an FSDP forward is a collective."""
     was_training = m.training
     m.eval()
-    if full:
+    if full:  # alone: this process scores the whole split by itself (the converted model)
+        ranks, r = (1, 0) if alone else (world_size, rank)
         n = math.ceil(n_targets["val"] / block_size)
-        n_rounds = math.ceil(n / (batch_size * world_size))
-        order = torch.arange(n_rounds * batch_size * world_size)
+        n_rounds = math.ceil(n / (batch_size * ranks))
+        order = torch.arange(n_rounds * batch_size * ranks)
         order[order >= n] = -1
-        batches = order.view(n_rounds, world_size, batch_size)[:, rank]
+        batches = order.view(n_rounds, ranks, batch_size)[:, r]
     else:
         batches = torch.randint(n_windows["val"], (eval_iters, batch_size), generator=generator(it, rank, 1))
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, target count)
@@ -609,7 +610,8 @@ def evaluate(m, full=False, it=0):
         sums[0] += m(x, y, reduction="sum", loss_chunk=loss_chunk, input_pos=pos).double()
         sums[1] += (y != IGNORE_INDEX).sum()
     m.train(was_training)
-    dist.all_reduce(sums)
+    if not alone:
+        dist.all_reduce(sums)
     total, count = sums.tolist()
     return total / max(count, 1)
 
@@ -652,14 +654,7 @@ def convert_and_evaluate(state, after_qat):
             qm = Transformer(model_args)
         qm.load_state_dict(state, assign=True)
         convert_on_device(qm, after_qat)
-        sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, target count)
-        with torch.no_grad():
-            for windows in tqdm(torch.arange(math.ceil(n_targets["val"] / block_size)).split(batch_size), desc="eval", leave=False):
-                x, y, pos = get_batch("val", windows)
-                sums[0] += qm(x, y, reduction="sum", loss_chunk=loss_chunk, input_pos=pos).double()
-                sums[1] += (y != IGNORE_INDEX).sum()
-        total, count = sums.tolist()
-        result = [total / max(count, 1)]
+        result = [evaluate(qm, full=True, alone=True)]
     dist.broadcast_object_list(result, src=0, group=wait_group)
     return result[0], qm
 
