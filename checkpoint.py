@@ -25,7 +25,11 @@ from dataclasses import asdict
 from glob import glob
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from model import LORA_TARGETS, ModelArgs, Transformer, adapter_state_dict, merge_lora
 
@@ -99,6 +103,110 @@ def load_provenance(path):
         return None
     with open(file) as f:
         return json.load(f)
+
+
+def tokenizer_of(path, ckpt, data_kind=None):
+    """The fingerprint of the tokenizer a model was trained with, where it says so: recorded in a
+    nanotune checkpoint (`ckpt`, its loaded dict) or export, or the tokenizer file of an HF / Meta
+    directory, of the data's kind first (HF directories often hold both)."""
+    if ckpt or not os.path.isdir(path):
+        return ckpt.get("tokenizer")
+    if (provenance := load_provenance(path)) and provenance.get("tokenizer"):
+        return provenance["tokenizer"]
+    from data_prep import load_tokenizer  # data_prep is the tokenizers' home; only this reads them
+    for name in sorted(("tokenizer.json", "tokenizer.model"), key=lambda n: n != ("tokenizer.json" if data_kind == "hf" else "tokenizer.model")):
+        if os.path.isfile(os.path.join(path, name)):
+            return load_tokenizer(os.path.join(path, name)).fingerprint()
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Training checkpoints: out_dir/ckpt.pt, gathered on rank 0; or (sharded) out_dir/ckpt/, to
+# which every rank writes its own shards with torch.distributed.checkpoint (DCP), the small
+# things also in ckpt/state.pt. Either way a crash at any moment leaves the previous one loadable.
+
+# one line that turns a sharded checkpoint into the single-file format every reader knows
+TO_SINGLE_FILE = ("python -c \"from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+                  "dcp_to_torch_save('{0}', '{0}.pt')\"")
+
+
+def sharded_dir(path):
+    """The sharded checkpoint `path` names (itself or its ckpt/), or None. ckpt.old/ is the previous
+    one, left alone only by a crash between the two renames of a save."""
+    for d in (path, os.path.join(path, "ckpt"), os.path.join(path, "ckpt.old")):
+        if os.path.isfile(os.path.join(d, "state.pt")) and os.path.isfile(os.path.join(d, ".metadata")):
+            return d
+    return None
+
+
+def atomic_save(obj, path):
+    # a crash mid-write leaves the previous file intact: write aside, flush to disk, then rename
+    with open(path + ".tmp", "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def check_resume(ckpt, config, same, data_meta, path):
+    """Refuses (ValueError) to resume the checkpoint `ckpt` from `path` with other values of the
+    settings `same` than it was trained with, or on other data (data_prep's file fingerprints)."""
+    if changed := {k: ckpt["config"][k] for k in same if k in ckpt["config"] and ckpt["config"][k] != config[k]}:
+        raise ValueError(f"{path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
+                         f"resume with the same settings or start a new out_dir")
+    if ckpt.get("data") != data_meta.get("data"):
+        raise ValueError(f"the data is not the data {path} was trained on (its files differ); "
+                         f"resume with the same data_dir contents or start a new out_dir")
+
+
+def save_training_checkpoint(model, optimizers, small, out_dir, sharded):
+    """A collective: every rank calls it. `small` is what is not a tensor of model or optimizer
+    (model_args, iter_num, config, ...). The other format's checkpoint is removed afterwards."""
+    master = dist.get_rank() == 0
+    single, final, tmp, old = (os.path.join(out_dir, n) for n in ("ckpt.pt", "ckpt", "ckpt.tmp", "ckpt.old"))
+    if not sharded:
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 alone ends up with the tensors
+        state = {"model": get_model_state_dict(model, options=full),
+                 "optimizer": get_optimizer_state_dict(model, optimizers, options=full)}
+        if master:
+            atomic_save({**state, **small}, single)
+            shutil.rmtree(final, ignore_errors=True)
+        return
+    if master:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written directory
+    dist.barrier()
+    # the small things go in too, so that dcp_to_torch_save turns the directory into a whole ckpt.pt;
+    # DCP fsyncs each file it writes, and returns once rank 0 has written the index (.metadata)
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers), **small},
+             checkpoint_id=tmp)
+    if master:
+        atomic_save(small, os.path.join(tmp, "state.pt"))
+        # a directory cannot replace another in one rename: the previous one steps aside to
+        # ckpt.old, which sharded_dir reads if a crash comes between the two renames
+        if os.path.isdir(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fd = os.open(out_dir, os.O_RDONLY)  # a rename is durable once its directory is flushed
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(single):
+            os.remove(single)
+
+
+def load_sharded_checkpoint(model, optimizers, path, with_optimizer=True):
+    """Every rank reads the pieces of its own shards from the sharded checkpoint at `path`,
+    whatever number of processes wrote them (DCP reshards); the optimizer's state only to resume."""
+    state = {"model": get_model_state_dict(model)}
+    if with_optimizer:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizers)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    if with_optimizer:
+        set_optimizer_state_dict(model, optimizers, state["optimizer"])
 
 
 def _shapes_only(sd):

@@ -28,9 +28,13 @@ prints it and exits 2.
 import ast
 import builtins
 import difflib
+import importlib.util
 import os
+import re
 import sys
 import types
+
+import torch
 
 CONFIG_TYPES = (int, float, bool, str, tuple, type(None))
 
@@ -152,3 +156,52 @@ def configure(globals_dict, argv=None, print_config=True, positive=()):
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_training(c, overridden, world_size):
+    """Checks of the settings both training scripts share, given the final config `c`, the keys
+    that differ from the defaults and the number of processes. Returns (quant_bits: (activation
+    bits or None for weight-only, weight bits), or None without a quantizer; the number of
+    micro-batches per step, 0 resolved to one per process). Raises ConfigError."""
+    quantizer, dtype, device, export_format = c["quantizer"], c["dtype"], c["device"], c["export_format"]
+    quant = re.fullmatch(r"(8da)?([2-8])w", quantizer)
+    if quantizer not in ("none", "4w-gpu") and not quant:
+        raise ConfigError(f"quantizer={quantizer!r} is unknown; use 'none', '8daNw' (e.g. '8da4w'), 'Nw' (e.g. '4w'), "
+                          f"N from 2 to 8, or '4w-gpu' (int4 weight-only for CUDA)")
+    quant_bits = (None, 4) if quantizer == "4w-gpu" else (8 if quant[1] else None, int(quant[2])) if quant else None
+    accumulation = c["gradient_accumulation_steps"] or world_size
+    problems = [
+        (quantizer == "4w-gpu" and (device != "cuda" or dtype != "bfloat16"),
+         "quantizer='4w-gpu' converts to torchao's int4 CUDA kernels, which run in bfloat16 on a GPU only; "
+         "set device='cuda' and dtype='bfloat16', or use '8da4w' on a CPU"),
+        (dtype not in ("float32", "bfloat16"),
+         f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16' (float16 needs loss scaling, which these loops omit)"),
+        (c["mixed_precision"] and dtype != "bfloat16",
+         "mixed_precision=True needs dtype='bfloat16' (it computes in bf16 over fp32 master weights)"),
+        (device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()),
+         f"device={device!r} is not available here; use 'cpu' or, with a visible GPU, 'cuda'"),
+        (device == "cpu" and (c["cpu_offload"] or c["activation_offloading"]),
+         "cpu_offload and activation_offloading move data off a GPU; they need device='cuda'"),
+        (accumulation % world_size,
+         f"gradient_accumulation_steps={accumulation} must be a multiple of the {world_size} processes"),
+        (world_size % c["replicate_degree"],
+         f"replicate_degree={c['replicate_degree']} must divide the {world_size} processes"),
+        (export_format not in ("none", "hf", "meta", "pte"),
+         f"export_format={export_format!r} is unknown; use 'none', 'hf', 'meta' or 'pte' (the quantized model for ExecuTorch)"),
+        (export_format == "pte" and not (quant_bits and quant_bits[0] and quant_bits[1] <= 4 and c["group_size"] % 32 == 0
+                                         and not c["quantize_embedding"] and dtype == "float32"),
+         "export_format='pte' lowers an '8daNw' model to XNNPACK, which needs N <= 4, group_size a multiple of 32, "
+         "quantize_embedding=False and dtype='float32'"),
+        (export_format == "pte" and importlib.util.find_spec("executorch") is None,
+         "export_format='pte' needs the executorch package: pip install executorch"),
+    ]
+    # a setting that would be ignored in this mode is a mistake to point out, not to run with
+    if quant_bits is None and (unused := [k for k in ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip") if k in overridden]):
+        problems.append((True, f"{', '.join(unused)} only matter with a quantizer, and quantizer='none'; set a quantizer or drop them"))
+    shape = [k for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "preset") if k in overridden]
+    if c["init_from"] not in ("scratch", "resume") and shape:  # resume compares them with the checkpoint
+        problems.append((True, f"{', '.join(shape)} shape a model built from scratch; init_from={c['init_from']!r} carries its own shape"))
+    for bad, message in problems:
+        if bad:
+            raise ConfigError(message)
+    return quant_bits, accumulation

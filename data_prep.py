@@ -155,6 +155,50 @@ def tokenizer_mismatch(a, b):
     return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in FINGERPRINT_KEYS if a.get(k) != b.get(k))
 
 
+def load_data_meta(data_dir, block_size):
+    """The meta.json of prepared data, once its splits are known to exist and `block_size` (the
+    training window) to fit it. Raises DataPrepError."""
+    for name in ("train.bin", "val.bin", "meta.json"):
+        if not os.path.exists(os.path.join(data_dir, name)):
+            raise DataPrepError(f"{os.path.join(data_dir, name)} is missing; run data_prep.py --out_dir {data_dir} first")
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    if meta.get("packed") and block_size != meta["block_size"]:  # SFT samples packed whole into rows
+        raise DataPrepError(f"{data_dir} holds samples packed into rows of {meta['block_size']} tokens; "
+                            f"set block_size={meta['block_size']}")
+    return meta
+
+
+def load_topk_store(store_dir, data_meta, block_size, temperature):
+    """The meta.json of a teacher top-k store (kd_train.py's topk_write) fit to train on: complete,
+    and written from this data (its files and tokenizer) at this block_size and temperature, so
+    that its rows are the targets of these windows. Raises DataPrepError."""
+    path, write = os.path.join(store_dir, "meta.json"), "write a store for this data with topk_write=True"
+    if not os.path.exists(path):
+        raise DataPrepError(f"teacher_topk_dir={store_dir!r} holds no store (no meta.json); write one with topk_write=True")
+    with open(path) as f:
+        meta = json.load(f)
+    tokenizer = data_meta.get("tokenizer")
+    problems = [
+        (not meta["complete"], f"is incomplete ({meta['windows_done']} of {meta['n_windows']} windows); finish it by "
+                               f"rerunning its topk_write=True command"),
+        (meta["data"] != data_meta.get("data"), f"was written from other data (its files differ); {write}"),
+        (meta["tokenizer"] != tokenizer,
+         f"was written with another tokenizer than the data ("
+         f"{tokenizer_mismatch(meta['tokenizer'], tokenizer) if meta['tokenizer'] and tokenizer else 'one has none'}); {write}"),
+        (meta["vocab_size"] != data_meta["vocab_size"],
+         f"has a vocabulary of {meta['vocab_size']} tokens, the data {data_meta['vocab_size']}; {write}"),
+        (meta["block_size"] != block_size, f"holds windows of block_size={meta['block_size']}; set block_size to it"),
+        (meta["temperature"] != temperature,
+         f"holds the teacher at temperature {meta['temperature']}, not kd_temperature={temperature} (the tail of a "
+         f"top-k store cannot be re-tempered); set kd_temperature to it or write a store at this temperature"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise DataPrepError(f"the store in {store_dir} {message}")
+    return meta
+
+
 def load_tokenizer(path):
     """The Tokenizer at path: a SentencePiece model, an HF tokenizer.json, a Meta Llama 3 tiktoken
     tokenizer.model (told apart by content), or a folder holding tokenizer.json or tokenizer.model."""

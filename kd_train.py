@@ -35,14 +35,11 @@ p(j)^(1/T) needs every tail probability, which a top-k store does not hold. The 
 exact over k + 1 buckets (see stored_chunk_losses).
 """
 
-import importlib.util
 import json
 import logging
 import math
 import os
-import re
 import resource
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -52,12 +49,10 @@ from functools import lru_cache
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._composable import checkpoint as activation_checkpoint
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
@@ -70,15 +65,12 @@ logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
-from torchao.quantization.granularity import PerToken
-from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
-from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH, _DTYPE_TO_QVALUE_BOUNDS, MappingType, choose_qparams_affine
-from torchao.quantization.utils import _get_per_token_block_size, get_group_qparams_symmetric
 
-from checkpoint import export_executorch, export_hf, export_meta, load_checkpoint, load_provenance, save_adapter
-from data_prep import load_tokenizer, tokenizer_mismatch
-from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict,
-                   flops_per_token, mark_only_lora_trainable, merge_lora, peak_flops, to_lora_keys)
+from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
+                        load_sharded_checkpoint, save_adapter, save_training_checkpoint, sharded_dir, tokenizer_of)
+from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, tokenizer_mismatch
+from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
+                   flops_per_token, fuse_fake_quant, mark_only_lora_trainable, merge_lora, peak_flops, to_lora_keys)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -160,7 +152,7 @@ profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in 
 peak_flops_per_device = 0.0  # for MFU; 0: a table for known GPUs, a measured matmul on CPU
 seed = 1337
 # -----------------------------------------------------------------------------
-from configurator import configure
+from configurator import ConfigError, check_training, configure
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
                                                     "log_interval", "ckpt_interval", "kd_temperature",
@@ -179,15 +171,12 @@ def fail(msg):
     sys.exit(2)
 
 
-quant = re.fullmatch(r"(8da)?([2-8])w", quantizer)
-if quantizer not in ("none", "4w-gpu") and not quant:
-    fail(f"quantizer={quantizer!r} is unknown; use 'none', '8daNw' (e.g. '8da4w'), 'Nw' (e.g. '4w'), N from 2 to 8, "
-         f"or '4w-gpu' (int4 weight-only for CUDA)")
-# (activation bits or None for weight-only, weight bits), or None without a quantizer
-quant_bits = (None, 4) if quantizer == "4w-gpu" else (8 if quant[1] else None, int(quant[2])) if quant else None
-if quantizer == "4w-gpu" and (device != "cuda" or dtype != "bfloat16"):
-    fail("quantizer='4w-gpu' converts to torchao's int4 CUDA kernels, which run in bfloat16 on a GPU only; "
-         "set device='cuda' and dtype='bfloat16', or use '8da4w' on a CPU")
+try:
+    quant_bits, gradient_accumulation_steps = check_training(config, overridden, world_size)
+except ConfigError as e:
+    fail(str(e))
+# recorded as derived: a resume compares it, and 0 would mean another batch on another process count
+config["gradient_accumulation_steps"] = gradient_accumulation_steps
 if kd_divergence not in ("fkl", "rkl", "skl", "jsd"):
     fail(f"kd_divergence={kd_divergence!r} is unknown; use 'fkl', 'rkl', 'skl' or 'jsd'")
 if kd_ratio > 1 or jsd_beta > 1:
@@ -196,44 +185,9 @@ if lora_rank and quant_bits is not None:
     fail("quantizer with lora_rank > 0 is not supported: fake quant would see the base weights but conversion the merged ones; use a full finetune (lora_rank=0) for QAD")
 if save_adapter_only and not lora_rank:
     fail("save_adapter_only=True needs LoRA adapters; set lora_rank > 0")
-if world_size % replicate_degree:
-    fail(f"replicate_degree={replicate_degree} must divide the {world_size} processes")
-if export_format not in ("none", "meta", "hf", "pte"):
-    fail(f"export_format={export_format!r} is unknown; use 'none', 'meta', 'hf' or 'pte' (the quantized model for ExecuTorch)")
-if export_format == "pte" and not (quant_bits and quant_bits[0] and quant_bits[1] <= 4 and group_size % 32 == 0
-                                   and not quantize_embedding and dtype == "float32"):
-    fail("export_format='pte' lowers an '8daNw' model to XNNPACK, which needs N <= 4, group_size a multiple of 32, "
-         "quantize_embedding=False and dtype='float32'")
-if export_format == "pte" and importlib.util.find_spec("executorch") is None:
-    fail("export_format='pte' needs the executorch package: pip install executorch")
-if dtype not in ("float32", "bfloat16"):
-    fail(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16' (float16 needs loss scaling, which this loop omits)")
-if mixed_precision and dtype != "bfloat16":
-    fail("mixed_precision=True needs dtype='bfloat16' (it computes in bf16 over fp32 master weights)")
-if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-    fail(f"device={device!r} is not available here; use 'cpu' or, with a visible GPU, 'cuda'")
-if device == "cpu" and (cpu_offload or activation_offloading):
-    fail("cpu_offload and activation_offloading move data off a GPU; they need device='cuda'")
-# recorded as derived: a resume compares it, and 0 would mean another batch on another process count
-gradient_accumulation_steps = config["gradient_accumulation_steps"] = gradient_accumulation_steps or world_size
-if gradient_accumulation_steps % world_size:
-    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
 if lora_rank and init_from == "scratch":
     fail("lora_rank > 0 trains adapters on frozen weights; give a pretrained student with init_from, or set lora_rank=0")
 
-
-def sharded_dir(path):
-    """The sharded checkpoint `path` names (itself or its ckpt/), or None. ckpt.old/ is the previous
-    one, left alone only by a crash between the two renames of a save."""
-    for d in (path, os.path.join(path, "ckpt"), os.path.join(path, "ckpt.old")):
-        if os.path.isfile(os.path.join(d, "state.pt")) and os.path.isfile(os.path.join(d, ".metadata")):
-            return d
-    return None
-
-
-# one line that turns a sharded checkpoint into the single-file format every reader knows
-TO_SINGLE_FILE = ("python -c \"from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
-                  "dcp_to_torch_save('{0}', '{0}.pt')\"")
 resume_path = sharded_dir(out_dir) or os.path.join(out_dir, "ckpt.pt")
 sharded_from = resume_path if init_from == "resume" and sharded_dir(resume_path) else None
 if topk_write and not teacher_topk_dir:
@@ -244,41 +198,17 @@ for name, path in (("init_from", resume_path if init_from == "resume" else init_
     if path != "scratch" and not os.path.exists(path):
         fail(f"{name}={globals()[name]!r}: {path} does not exist; give a nanotune checkpoint or a Meta / HF directory"
              + (" ('resume' needs a run in out_dir)" if path == resume_path else ""))
-# a setting that would be ignored in this mode is a mistake to point out, not to run with
-if quant_bits is None and (unused := [k for k in ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip") if k in overridden]):
-    fail(f"{', '.join(unused)} only matter with a quantizer, and quantizer='none'; set a quantizer or drop them")
 if not lora_rank and (unused := [k for k in ("lora_alpha", "lora_dropout", "lora_targets") if k in overridden]):
     fail(f"{', '.join(unused)} only matter with LoRA, and lora_rank=0; set lora_rank or drop them")
 if kd_divergence != "jsd" and "jsd_beta" in overridden:
     fail(f"jsd_beta only matters with kd_divergence='jsd', not {kd_divergence!r}")
-shape_overrides = [k for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "preset") if k in overridden]
-if init_from not in ("scratch", "resume") and shape_overrides:  # resume compares them with the checkpoint
-    fail(f"{', '.join(shape_overrides)} shape a student built from scratch; init_from={init_from!r} carries its own shape")
 if init_from == "scratch" and preset not in PRESETS:
     fail(f"preset={preset!r} is unknown; choose from {sorted(PRESETS)}")
-for name in ("train.bin", "val.bin", "meta.json"):
-    if not os.path.exists(os.path.join(data_dir, name)):
-        fail(f"{os.path.join(data_dir, name)} is missing; run data_prep.py --out_dir {data_dir} first")
-with open(os.path.join(data_dir, "meta.json")) as f:
-    data_meta = json.load(f)
+try:
+    data_meta = load_data_meta(data_dir, block_size)
+except DataPrepError as e:
+    fail(str(e))
 data_tokenizer = data_meta.get("tokenizer")  # its fingerprint; hand-made data may have none
-packed = bool(data_meta.get("packed"))  # SFT samples packed whole into rows of data_meta["block_size"]
-if packed and block_size != data_meta["block_size"]:
-    fail(f"{data_dir} holds samples packed into rows of {data_meta['block_size']} tokens; set block_size={data_meta['block_size']}")
-
-
-def tokenizer_of(path, ckpt):
-    """The fingerprint of the tokenizer a model was trained with, where it says so: recorded in a
-    nanotune checkpoint or export, or the tokenizer file of an HF / Meta directory (of the data's kind)."""
-    if ckpt or not os.path.isdir(path):
-        return ckpt.get("tokenizer")
-    if (provenance := load_provenance(path)) and provenance.get("tokenizer"):
-        return provenance["tokenizer"]
-    names = ("tokenizer.json", "tokenizer.model")  # the data's kind first: HF directories often hold both
-    for name in sorted(names, key=lambda n: n != ("tokenizer.json" if data_tokenizer.get("kind") == "hf" else "tokenizer.model")):
-        if os.path.isfile(os.path.join(path, name)):
-            return load_tokenizer(os.path.join(path, name)).fingerprint()
-    return None
 
 
 def load_or_fail(name, path):
@@ -292,7 +222,7 @@ def load_or_fail(name, path):
     file = path if os.path.isfile(path) else os.path.join(path, "ckpt.pt")
     ckpt = torch.load(file, map_location="cpu", mmap=True, weights_only=True) if os.path.isfile(file) else {}
     # teacher, student and data must share one tokenizer, or the divergence compares unrelated tokens
-    if data_tokenizer and (theirs := tokenizer_of(path, ckpt)) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
+    if data_tokenizer and (theirs := tokenizer_of(path, ckpt, data_tokenizer.get("kind"))) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{name}={path!r} was trained with another tokenizer than the data in {data_dir} ({diff}); "
              f"teacher, student and data must share one tokenizer")
     if args.lora_rank:  # a LoRA student of an earlier run: start from its merged weights
@@ -308,18 +238,13 @@ if init_from == "resume":
     ckpt = torch.load(os.path.join(sharded_from, "state.pt") if sharded_from else resume_path,
                       map_location="cpu", mmap=True, weights_only=True)
     model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt.get("model")  # sharded: read later
-    # these decide which batches a step sees, what is trained, or what the weights were trained for
-    same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init", "lora_rank",
-            "preset", "n_layer", "n_head", "n_kv_head", "n_embd",
-            "lora_alpha", "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding", "quant_skip",
-            "fake_quant_after_n_steps", "teacher_topk_dir")
-    changed = {k: ckpt["config"][k] for k in same if k in ckpt["config"] and ckpt["config"][k] != globals()[k]}
-    if changed:
-        fail(f"{resume_path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
-             f"resume with the same settings or start a new out_dir")
-    if ckpt.get("data") != data_meta.get("data"):
-        fail(f"the data in {data_dir} is not the data {resume_path} was trained on (its files differ); "
-             f"resume with the same data_dir contents or start a new out_dir")
+    try:  # these decide which batches a step sees, what is trained, or what the weights were trained for
+        check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init",
+                                    "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
+                                    "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding",
+                                    "quant_skip", "fake_quant_after_n_steps", "teacher_topk_dir"), data_meta, resume_path)
+    except ValueError as e:
+        fail(str(e))
 elif init_from == "scratch":
     shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
     for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
@@ -352,33 +277,15 @@ if topk_write and teacher_topk > n_vocab:
 # the teacher top-k store: what it was written from, so that it can only meet the same data, tokenizer,
 # windows and temperature; a store still being written is never read
 store_meta = None
-if topk_write or from_store:
-    store_meta_path = os.path.join(teacher_topk_dir, "meta.json")
-    if os.path.exists(store_meta_path):
-        with open(store_meta_path) as f:
-            store_meta = json.load(f)
 if from_store:
-    if store_meta is None:
-        fail(f"teacher_topk_dir={teacher_topk_dir!r} holds no store (no meta.json); write one with topk_write=True")
-    if not store_meta["complete"]:
-        fail(f"the store in {teacher_topk_dir} is incomplete ({store_meta['windows_done']} of {store_meta['n_windows']} "
-             f"windows); finish it by rerunning its topk_write=True command")
-    if store_meta["data"] != data_meta.get("data"):
-        fail(f"the store in {teacher_topk_dir} was written from other data than {data_dir} (its files differ); "
-             f"write a store for this data with topk_write=True")
-    if store_meta["tokenizer"] != data_tokenizer:
-        diff = tokenizer_mismatch(store_meta["tokenizer"], data_tokenizer) if store_meta["tokenizer"] and data_tokenizer else "one has none"
-        fail(f"the store in {teacher_topk_dir} was written with another tokenizer than the data in {data_dir} ({diff}); "
-             f"write a store for this data with topk_write=True")
-    if store_meta["vocab_size"] != n_vocab:
-        fail(f"the store in {teacher_topk_dir} has a vocabulary of {store_meta['vocab_size']} tokens, the data {n_vocab}; "
-             f"write a store for this data with topk_write=True")
-    if store_meta["block_size"] != block_size:
-        fail(f"the store in {teacher_topk_dir} holds windows of block_size={store_meta['block_size']}; set block_size to it")
-    if store_meta["temperature"] != kd_temperature:
-        fail(f"the store in {teacher_topk_dir} holds the teacher at temperature {store_meta['temperature']}, not "
-             f"kd_temperature={kd_temperature} (the tail of a top-k store cannot be re-tempered); set kd_temperature to it "
-             f"or write a store at this temperature")
+    try:
+        store_meta = load_topk_store(teacher_topk_dir, data_meta, block_size, kd_temperature)
+    except DataPrepError as e:
+        fail(str(e))
+store_meta_path = os.path.join(teacher_topk_dir, "meta.json")
+if topk_write and os.path.exists(store_meta_path):  # a write to resume, or done
+    with open(store_meta_path) as f:
+        store_meta = json.load(f)
 store_spec = None  # what a store written now is made of, and how its work is cut
 if topk_write:
     store_spec = json.loads(json.dumps({  # through JSON, so that it compares equal to a meta.json read back
@@ -393,13 +300,10 @@ if topk_write:
         if master_process:
             print(f"the store in {teacher_topk_dir} is complete; nothing to write")
         sys.exit(0)
-if quant_bits is not None and (bad := {k: w for k, w in (("dim", model_args.dim), ("hidden", model_args.hidden_dim)) if w % group_size}):
-    fail(f"group_size={group_size} does not divide the student's layer widths {bad}; pick a divisor of {math.gcd(model_args.dim, model_args.hidden_dim)}")
-with torch.device("meta"):
-    module_paths = {name for name, _ in Transformer(model_args).named_modules()}
-quant_skip = config["quant_skip"] = tuple(s.rstrip(".") for s in quant_skip)  # 'layers.0.' means 'layers.0'
-if unknown := [s for s in quant_skip if s not in module_paths]:
-    fail(f"quant_skip names {unknown}, which are not modules of the student; use paths such as 'output' or 'layers.0'")
+try:
+    quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip) if quant_bits else ()
+except ValueError as e:
+    fail(str(e))
 
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 
@@ -587,57 +491,6 @@ def set_fake_quant(m, enabled):
                 fq.enabled = enabled
 
 
-class _FakeQuantize(torch.autograd.Function):
-    # torchao's fake quantize (scale, round, shift, clamp, and back) in place on one buffer; the
-    # gradient is straight-through except where the clamp held, as torchao's, and needs only that mask
-    @staticmethod
-    def forward(ctx, x, scale, zero_point, qmin, qmax):
-        q = (x * (1.0 / scale)).round_().add_(zero_point)
-        keep = q >= qmin
-        keep &= q <= qmax
-        ctx.save_for_backward(keep)
-        return q.clamp_(qmin, qmax).to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        keep, = ctx.saved_tensors
-        return grad * keep, None, None, None, None
-
-
-class FusedFakeQuantizer(IntxFakeQuantizer):
-    """torchao's per-token (asymmetric) and per-group (symmetric) fake quantizer, with the same
-    scales and zero points from torchao, fake-quantizing in fewer passes over memory."""
-
-    def forward(self, x):
-        if not self.enabled:
-            return x
-        cfg = self.config
-        qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[cfg.dtype]
-        if isinstance(cfg.granularity, PerToken):
-            scale, zero_point = choose_qparams_affine(x, MappingType.ASYMMETRIC, _get_per_token_block_size(x), cfg.dtype, qmin, qmax,
-                                                      eps=cfg.eps, scale_dtype=cfg.scale_precision, zero_point_dtype=cfg.zero_point_precision)
-            shape = (*x.shape[:-1], 1)
-            return _FakeQuantize.apply(x, scale.view(shape), zero_point.view(shape), qmin, qmax)
-        g = cfg.granularity.group_size
-        scale, zero_point = get_group_qparams_symmetric(x, _DTYPE_TO_BIT_WIDTH[cfg.dtype], g, cfg.scale_precision, eps=cfg.eps)
-        shape = (x.shape[0], x.shape[1] // g, 1)
-        fq = _FakeQuantize.apply(x.view(x.shape[0], -1, g), scale.view(shape), zero_point.to(cfg.zero_point_precision).view(shape), qmin, qmax)
-        return fq.view(x.shape)
-
-
-def fuse_fake_quant(m):
-    """Swaps torchao's fake quantizers for FusedFakeQuantizer where it computes the same thing."""
-    for mod in m.modules():
-        for name in ("activation_fake_quantizer", "weight_fake_quantizer"):
-            fq = getattr(mod, name, None)
-            if type(fq) is IntxFakeQuantizer and not fq.config.range_learning and (
-                    isinstance(fq.config.granularity, PerToken) and not fq.config.is_symmetric
-                    or isinstance(fq.config.granularity, PerGroup) and fq.config.is_symmetric):
-                new = FusedFakeQuantizer(fq.config)
-                new.enabled = fq.enabled
-                setattr(mod, name, new)
-
-
 if quant_bits is not None:
     quantize_model(model, "prepare")
     fuse_fake_quant(model)
@@ -711,14 +564,8 @@ optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=True)  # one kernel per step, on GPUs and CPUs alike
 iter_num = 0
-if sharded_from:
-    # every rank reads the pieces of its own shards, whatever number of processes wrote them
-    # (torch.distributed.checkpoint reshards)
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=sharded_from)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    del state
+if sharded_from:  # every rank reads its own shards, with the optimizer's state
+    load_sharded_checkpoint(model, [optimizer], sharded_from)
 if init_from == "resume":
     iter_num = ckpt["iter_num"]
     if not sharded_from:
@@ -886,29 +733,8 @@ def full_state_dict(m, to_cpu=True):
     return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=to_cpu))
 
 
-def atomic_save(obj, path):
-    # a crash mid-write leaves the previous file intact: write aside, flush to disk, then rename
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fsync_dir(path):
-    # a rename is durable only once the directory holding it is flushed
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint():
-    """ckpt.pt, gathered on rank 0; or (sharded_checkpoint) the directory ckpt/, to which every rank
-    writes its shards, with the small things also in ckpt/state.pt. Either way a crash at any
-    moment leaves the previous checkpoint loadable, and the other format's is removed afterwards."""
+    """ckpt.pt, or (sharded_checkpoint) the directory ckpt/ of every rank's shards: checkpoint.py."""
     rngs = [None] * world_size
     dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None})
@@ -916,33 +742,7 @@ def save_checkpoint():
              "config": config, "quantizer": quantizer, "group_size": group_size,
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1), "teacher_init": teacher_init,
              "teacher_val_loss": teacher_val_loss, "tokenizer": data_tokenizer, "data": data_meta.get("data"), "rng": rngs}
-    single, sharded, tmp, old = (os.path.join(out_dir, n) for n in ("ckpt.pt", "ckpt", "ckpt.tmp", "ckpt.old"))
-    if not sharded_checkpoint:
-        model_sd = full_state_dict(model)
-        optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if master_process:
-            atomic_save({"model": model_sd, "optimizer": optim_sd, **small}, single)
-            shutil.rmtree(sharded, ignore_errors=True)
-        return
-    if master_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written directory
-    dist.barrier()
-    # the small things go in too, so that dcp_to_torch_save turns the directory into a whole ckpt.pt;
-    # DCP fsyncs each file it writes, and returns once rank 0 has written the index (.metadata)
-    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer), **small},
-             checkpoint_id=tmp)
-    if master_process:
-        atomic_save(small, os.path.join(tmp, "state.pt"))
-        # a directory cannot replace another in one rename: the previous one steps aside to
-        # ckpt.old, which sharded_dir reads if a crash comes between the two renames
-        if os.path.isdir(sharded):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(sharded, old)
-        os.replace(tmp, sharded)
-        fsync_dir(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(single):
-            os.remove(single)
+    save_training_checkpoint(model, [optimizer], small, out_dir, sharded_checkpoint)
 
 
 # -----------------------------------------------------------------------------
@@ -1230,11 +1030,10 @@ if master_process:
         wandb.finish()
 dist.destroy_process_group()
 if torchrun:
-    # gloo's worker threads drop their last reference to a collective's tensors after the caller
-    # has moved on, and that takes the GIL: landing in interpreter shutdown, the thread is unwound
-    # through a noexcept destructor and the process aborts ("terminate called without an active
-    # exception") with all its work done. Everything is written and closed: skip the shutdown.
-    # (A plain `python` run may be one of several in one interpreter, as in the tests: it returns.)
+    # gloo's worker threads release a collective's tensors late, taking the GIL: in interpreter
+    # shutdown that aborts the process ("terminate called without an active exception") with its
+    # work done. All is written and closed: skip the shutdown. (A plain `python` run may share its
+    # interpreter with others, as in the tests: it returns.)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

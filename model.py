@@ -15,6 +15,7 @@ read in one sitting.
 - LoRA adapters on chosen projections, with helpers to train only them, save them and merge.
 """
 
+import logging
 import math
 import re
 import time
@@ -25,6 +26,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+# torchao's import logs notes about GPU-only kernels and a torch deprecation: not the user's concern
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+from torchao.quantization import PerGroup
+from torchao.quantization.granularity import PerToken
+from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
+from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH, _DTYPE_TO_QVALUE_BOUNDS, MappingType, choose_qparams_affine
+from torchao.quantization.utils import _get_per_token_block_size, get_group_qparams_symmetric
 
 IGNORE_INDEX = -100  # targets with this value take no part in the loss
 LOGITS_PER_CHUNK = 2 ** 25  # fp32 logits materialized at once by the chunked losses: 128 MiB
@@ -451,6 +461,76 @@ def peak_flops(device, dtype):
             a @ a
         best = min(best, time.perf_counter() - t0)
     return 4 * 2 * 1024 ** 3 / best, f"measured {str(dtype).removeprefix('torch.')} matmul"
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake quantization: torchao's fake quantizers (QATConfig "prepare") compute their scales and
+# zero points, then fake-quantize in a chain of elementwise ops; the same math in place on one
+# buffer makes a QAT step cost less over plain training.
+
+def check_quantizable(args, group_size, quant_skip):
+    """quant_skip's module paths normalized ('layers.0.' means 'layers.0'), once group_size is
+    known to divide the layer widths and every path to name a module of the model. Raises ValueError."""
+    if bad := {k: w for k, w in (("dim", args.dim), ("hidden", args.hidden_dim)) if w % group_size}:
+        raise ValueError(f"group_size={group_size} does not divide the layer widths {bad}; pick a divisor of "
+                         f"{math.gcd(args.dim, args.hidden_dim)}")
+    with torch.device("meta"):
+        paths = {name for name, _ in Transformer(args).named_modules()}
+    quant_skip = tuple(s.rstrip(".") for s in quant_skip)
+    if unknown := [s for s in quant_skip if s not in paths]:
+        raise ValueError(f"quant_skip names {unknown}, which are not modules of the model; use paths such as 'output' or 'layers.0'")
+    return quant_skip
+
+
+class _FakeQuantize(torch.autograd.Function):
+    # torchao's fake quantize (scale, round, shift, clamp, and back) in place on one buffer; the
+    # gradient is straight-through except where the clamp held, as torchao's, and needs only that mask
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, qmin, qmax):
+        q = (x * (1.0 / scale)).round_().add_(zero_point)
+        keep = q >= qmin
+        keep &= q <= qmax
+        ctx.save_for_backward(keep)
+        return q.clamp_(qmin, qmax).to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        keep, = ctx.saved_tensors
+        return grad * keep, None, None, None, None
+
+
+class FusedFakeQuantizer(IntxFakeQuantizer):
+    """torchao's per-token (asymmetric) and per-group (symmetric) fake quantizer, with the same
+    scales and zero points from torchao, fake-quantizing in fewer passes over memory."""
+
+    def forward(self, x):
+        if not self.enabled:
+            return x
+        cfg = self.config
+        qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[cfg.dtype]
+        if isinstance(cfg.granularity, PerToken):
+            scale, zero_point = choose_qparams_affine(x, MappingType.ASYMMETRIC, _get_per_token_block_size(x), cfg.dtype, qmin, qmax,
+                                                      eps=cfg.eps, scale_dtype=cfg.scale_precision, zero_point_dtype=cfg.zero_point_precision)
+            shape = (*x.shape[:-1], 1)
+            return _FakeQuantize.apply(x, scale.view(shape), zero_point.view(shape), qmin, qmax)
+        g = cfg.granularity.group_size
+        scale, zero_point = get_group_qparams_symmetric(x, _DTYPE_TO_BIT_WIDTH[cfg.dtype], g, cfg.scale_precision, eps=cfg.eps)
+        shape = (x.shape[0], x.shape[1] // g, 1)
+        fq = _FakeQuantize.apply(x.view(x.shape[0], -1, g), scale.view(shape), zero_point.to(cfg.zero_point_precision).view(shape), qmin, qmax)
+        return fq.view(x.shape)
+
+
+def fuse_fake_quant(m):
+    """Swaps torchao's fake quantizers for FusedFakeQuantizer where it computes the same thing."""
+    for mod in m.modules():
+        for name in ("activation_fake_quantizer", "weight_fake_quantizer"):
+            fq = getattr(mod, name, None)
+            if type(fq) is IntxFakeQuantizer and not fq.config.range_learning and (
+                    isinstance(fq.config.granularity, PerToken) and not fq.config.is_symmetric
+                    or isinstance(fq.config.granularity, PerGroup) and fq.config.is_symmetric):
+                new = FusedFakeQuantizer(fq.config)
+                new.enabled = fq.enabled
+                setattr(mod, name, new)
 
 
 # ---------------------------------------------------------------------------------------------

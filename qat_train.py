@@ -16,14 +16,11 @@ validation split. quantizer='none' runs the same loop as a plain finetune: the b
 must beat, and the way to train a base model from scratch.
 """
 
-import importlib.util
 import json
 import logging
 import math
 import os
-import re
 import resource
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -33,11 +30,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed._composable import checkpoint as activation_checkpoint
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -48,14 +43,12 @@ logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
-from torchao.quantization.granularity import PerToken
-from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
-from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH, _DTYPE_TO_QVALUE_BOUNDS, MappingType, choose_qparams_affine
-from torchao.quantization.utils import _get_per_token_block_size, get_group_qparams_symmetric
 
-from checkpoint import export_executorch, export_hf, export_meta, load_checkpoint, load_provenance
-from data_prep import load_tokenizer, tokenizer_mismatch
-from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer, flops_per_token, merge_lora, peak_flops
+from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
+                        load_sharded_checkpoint, save_training_checkpoint, sharded_dir, tokenizer_of)
+from data_prep import DataPrepError, load_data_meta, load_tokenizer, tokenizer_mismatch
+from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
+                   merge_lora, peak_flops)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -122,7 +115,7 @@ profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in 
 peak_flops_per_device = 0.0  # for MFU; 0: a table for known GPUs, a measured matmul on CPU
 seed = 1337
 # -----------------------------------------------------------------------------
-from configurator import configure
+from configurator import ConfigError, check_training, configure
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
                                                     "log_interval", "ckpt_interval"))
@@ -140,93 +133,31 @@ def fail(msg):
     sys.exit(2)
 
 
-quant = re.fullmatch(r"(8da)?([2-8])w", quantizer)
-if quantizer not in ("none", "4w-gpu") and not quant:
-    fail(f"quantizer={quantizer!r} is unknown; use 'none', '8daNw' (e.g. '8da4w'), 'Nw' (e.g. '4w'), N from 2 to 8, "
-         f"or '4w-gpu' (int4 weight-only for CUDA)")
-# (activation bits or None for weight-only, weight bits), or None without a quantizer
-quant_bits = (None, 4) if quantizer == "4w-gpu" else (8 if quant[1] else None, int(quant[2])) if quant else None
-if quantizer == "4w-gpu" and (device != "cuda" or dtype != "bfloat16"):
-    fail("quantizer='4w-gpu' converts to torchao's int4 CUDA kernels, which run in bfloat16 on a GPU only; "
-         "set device='cuda' and dtype='bfloat16', or use '8da4w' on a CPU")
-if dtype not in ("float32", "bfloat16"):
-    fail(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16' (float16 needs loss scaling, which this loop omits)")
-if mixed_precision and dtype != "bfloat16":
-    fail("mixed_precision=True needs dtype='bfloat16' (it computes in bf16 over fp32 master weights)")
-if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-    fail(f"device={device!r} is not available here; use 'cpu' or, with a visible GPU, 'cuda'")
-if device == "cpu" and (cpu_offload or activation_offloading):
-    fail("cpu_offload and activation_offloading move data off a GPU; they need device='cuda'")
+try:
+    quant_bits, gradient_accumulation_steps = check_training(config, overridden, world_size)
+except ConfigError as e:
+    fail(str(e))
 # recorded as derived: a resume compares it, and 0 would mean another batch on another process count
-gradient_accumulation_steps = config["gradient_accumulation_steps"] = gradient_accumulation_steps or world_size
-if gradient_accumulation_steps % world_size:
-    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} processes")
+config["gradient_accumulation_steps"] = gradient_accumulation_steps
 micro_steps = gradient_accumulation_steps // world_size  # micro-batches per process per step
 if optimizer_in_bwd and micro_steps > 1:
     fail("optimizer_in_bwd=True steps inside backward, so it cannot accumulate gradients; set gradient_accumulation_steps to the number of processes")
 if optimizer_in_bwd and math.isfinite(grad_clip):
     fail("optimizer_in_bwd=True steps before the global gradient norm is known; set grad_clip=float('inf')")
-if export_format not in ("none", "hf", "meta", "pte"):
-    fail(f"export_format={export_format!r} is unknown; use 'none', 'hf', 'meta' or 'pte' (the quantized model for ExecuTorch)")
-if export_format == "pte" and not (quant_bits and quant_bits[0] and quant_bits[1] <= 4 and group_size % 32 == 0
-                                   and not quantize_embedding and dtype == "float32"):
-    fail("export_format='pte' lowers an '8daNw' model to XNNPACK, which needs N <= 4, group_size a multiple of 32, "
-         "quantize_embedding=False and dtype='float32'")
-if export_format == "pte" and importlib.util.find_spec("executorch") is None:
-    fail("export_format='pte' needs the executorch package: pip install executorch")
-if world_size % replicate_degree:
-    fail(f"replicate_degree={replicate_degree} must divide the {world_size} processes")
 if convert_only and (init_from == "scratch" or quant_bits is None):
     fail("convert_only=True needs trained weights (init_from) and a quantizer, e.g. --quantizer=8da4w")
 
-
-def sharded_dir(path):
-    """The sharded checkpoint `path` names (itself or its ckpt/), or None. ckpt.old/ is the previous
-    one, left alone only by a crash between the two renames of a save."""
-    for d in (path, os.path.join(path, "ckpt"), os.path.join(path, "ckpt.old")):
-        if os.path.isfile(os.path.join(d, "state.pt")) and os.path.isfile(os.path.join(d, ".metadata")):
-            return d
-    return None
-
-
-# one line that turns a sharded checkpoint into the single-file format every reader knows
-TO_SINGLE_FILE = ("python -c \"from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
-                  "dcp_to_torch_save('{0}', '{0}.pt')\"")
 resume_path = (sharded_dir(out_dir) or os.path.join(out_dir, "ckpt.pt")) if init_from == "resume" else init_from
 sharded_from = sharded_dir(resume_path) if init_from != "scratch" else None  # weights read shard by shard
 if init_from != "scratch" and not os.path.exists(resume_path):
     fail(f"init_from={init_from!r}: {resume_path} does not exist; give 'scratch', 'resume' (after a run in out_dir) or a checkpoint")
-# a setting that would be ignored in this mode is a mistake to point out, not to run with
-if quant_bits is None and (unused := [k for k in ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip") if k in overridden]):
-    fail(f"{', '.join(unused)} only matter with a quantizer, and quantizer='none'; set a quantizer or drop them")
-shape_overrides = [k for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "preset") if k in overridden]
-if init_from not in ("scratch", "resume") and shape_overrides:  # resume compares them with the checkpoint
-    fail(f"{', '.join(shape_overrides)} shape a model built from scratch; init_from={init_from!r} carries its own shape")
 if init_from == "scratch" and preset not in PRESETS:
     fail(f"preset={preset!r} is unknown; choose from {sorted(PRESETS)}")
-for name in ("train.bin", "val.bin", "meta.json"):
-    if not os.path.exists(os.path.join(data_dir, name)):
-        fail(f"{os.path.join(data_dir, name)} is missing; run data_prep.py --out_dir {data_dir} first")
-with open(os.path.join(data_dir, "meta.json")) as f:
-    data_meta = json.load(f)
+try:
+    data_meta = load_data_meta(data_dir, block_size)
+except DataPrepError as e:
+    fail(str(e))
 data_tokenizer = data_meta.get("tokenizer")  # its fingerprint; hand-made data may have none
-packed = bool(data_meta.get("packed"))  # SFT samples packed whole into rows of data_meta["block_size"]
-if packed and block_size != data_meta["block_size"]:
-    fail(f"{data_dir} holds samples packed into rows of {data_meta['block_size']} tokens; set block_size={data_meta['block_size']}")
-
-
-def tokenizer_of(path, ckpt):
-    """The fingerprint of the tokenizer a model was trained with, where it says so: recorded in a
-    nanotune checkpoint or export, or the tokenizer file of an HF / Meta directory (of the data's kind)."""
-    if ckpt or not os.path.isdir(path):
-        return ckpt.get("tokenizer")
-    if (provenance := load_provenance(path)) and provenance.get("tokenizer"):
-        return provenance["tokenizer"]
-    names = ("tokenizer.json", "tokenizer.model")  # the data's kind first: HF directories often hold both
-    for name in sorted(names, key=lambda n: n != ("tokenizer.json" if data_tokenizer.get("kind") == "hf" else "tokenizer.model")):
-        if os.path.isfile(os.path.join(path, name)):
-            return load_tokenizer(os.path.join(path, name)).fingerprint()
-    return None
 
 # the model's shape: from the checkpoint, or from the preset and overrides
 init_state, ckpt = None, {}
@@ -250,7 +181,7 @@ else:
     if os.path.isfile(ckpt_file):  # a nanotune checkpoint: resume also takes its optimizer and position
         ckpt = torch.load(ckpt_file, map_location="cpu", mmap=True, weights_only=True)
 if init_from != "scratch":
-    if data_tokenizer and (theirs := tokenizer_of(resume_path, ckpt)) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
+    if data_tokenizer and (theirs := tokenizer_of(resume_path, ckpt, data_tokenizer.get("kind"))) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{resume_path} was trained with another tokenizer than the data in {data_dir} ({diff}); "
              f"prepare the data with the model's own tokenizer")
     if model_args.lora_rank:  # a LoRA model (from kd_train.py): QAT rounds what it computes, W + BA
@@ -262,25 +193,17 @@ if data_meta["vocab_size"] > model_args.vocab_size:
     fail(f"the data in {data_dir} uses {data_meta['vocab_size']} token ids but the model has only {model_args.vocab_size}; prepare the data with the model's tokenizer")
 if block_size > model_args.max_seq_len:
     fail(f"block_size={block_size} exceeds the model's max_seq_len={model_args.max_seq_len}")
-if quant_bits is not None and (bad := {k: w for k, w in (("dim", model_args.dim), ("hidden", model_args.hidden_dim)) if w % group_size}):
-    fail(f"group_size={group_size} does not divide the layer widths {bad}; pick a divisor of {math.gcd(model_args.dim, model_args.hidden_dim)}")
-with torch.device("meta"):
-    module_paths = {name for name, _ in Transformer(model_args).named_modules()}
-quant_skip = config["quant_skip"] = tuple(s.rstrip(".") for s in quant_skip)  # 'layers.0.' means 'layers.0'
-if unknown := [s for s in quant_skip if s not in module_paths]:
-    fail(f"quant_skip names {unknown}, which are not modules of this model; use paths such as 'output' or 'layers.0'")
+try:
+    quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip) if quant_bits else ()
+except ValueError as e:
+    fail(str(e))
 quant_settings = ("quantizer", "group_size", "quantize_embedding", "quant_skip")
-if init_from == "resume":
-    # these decide which batches a step sees, or what the weights were trained for
-    same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "fake_quant_after_n_steps",
-            "preset", "n_layer", "n_head", "n_kv_head", "n_embd") + quant_settings
-    changed = {k: ckpt["config"][k] for k in same if k in ckpt["config"] and ckpt["config"][k] != globals()[k]}
-    if changed:
-        fail(f"{resume_path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
-             f"resume with the same settings or start a new out_dir")
-    if ckpt.get("data") != data_meta.get("data"):
-        fail(f"the data in {data_dir} is not the data {resume_path} was trained on (its files differ); "
-             f"resume with the same data_dir contents or start a new out_dir")
+if init_from == "resume":  # these decide which batches a step sees, or what the weights were trained for
+    try:
+        check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "fake_quant_after_n_steps",
+                                    "preset", "n_layer", "n_head", "n_kv_head", "n_embd") + quant_settings, data_meta, resume_path)
+    except ValueError as e:
+        fail(str(e))
 # whether the loaded weights were trained with this very fake quantization (so converting them is QAT)
 ckpt_fake_quant = bool(ckpt.get("fake_quant")) and all(ckpt["config"].get(k) == globals()[k] for k in quant_settings)
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
@@ -441,57 +364,6 @@ def set_fake_quant(m, enabled):
                 fq.enabled = enabled
 
 
-class _FakeQuantize(torch.autograd.Function):
-    # torchao's fake quantize (scale, round, shift, clamp, and back) in place on one buffer; the
-    # gradient is straight-through except where the clamp held, as torchao's, and needs only that mask
-    @staticmethod
-    def forward(ctx, x, scale, zero_point, qmin, qmax):
-        q = (x * (1.0 / scale)).round_().add_(zero_point)
-        keep = q >= qmin
-        keep &= q <= qmax
-        ctx.save_for_backward(keep)
-        return q.clamp_(qmin, qmax).to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        keep, = ctx.saved_tensors
-        return grad * keep, None, None, None, None
-
-
-class FusedFakeQuantizer(IntxFakeQuantizer):
-    """torchao's per-token (asymmetric) and per-group (symmetric) fake quantizer, with the same
-    scales and zero points from torchao, fake-quantizing in fewer passes over memory."""
-
-    def forward(self, x):
-        if not self.enabled:
-            return x
-        cfg = self.config
-        qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[cfg.dtype]
-        if isinstance(cfg.granularity, PerToken):
-            scale, zero_point = choose_qparams_affine(x, MappingType.ASYMMETRIC, _get_per_token_block_size(x), cfg.dtype, qmin, qmax,
-                                                      eps=cfg.eps, scale_dtype=cfg.scale_precision, zero_point_dtype=cfg.zero_point_precision)
-            shape = (*x.shape[:-1], 1)
-            return _FakeQuantize.apply(x, scale.view(shape), zero_point.view(shape), qmin, qmax)
-        g = cfg.granularity.group_size
-        scale, zero_point = get_group_qparams_symmetric(x, _DTYPE_TO_BIT_WIDTH[cfg.dtype], g, cfg.scale_precision, eps=cfg.eps)
-        shape = (x.shape[0], x.shape[1] // g, 1)
-        fq = _FakeQuantize.apply(x.view(x.shape[0], -1, g), scale.view(shape), zero_point.to(cfg.zero_point_precision).view(shape), qmin, qmax)
-        return fq.view(x.shape)
-
-
-def fuse_fake_quant(m):
-    """Swaps torchao's fake quantizers for FusedFakeQuantizer where it computes the same thing."""
-    for mod in m.modules():
-        for name in ("activation_fake_quantizer", "weight_fake_quantizer"):
-            fq = getattr(mod, name, None)
-            if type(fq) is IntxFakeQuantizer and not fq.config.range_learning and (
-                    isinstance(fq.config.granularity, PerToken) and not fq.config.is_symmetric
-                    or isinstance(fq.config.granularity, PerGroup) and fq.config.is_symmetric):
-                new = FusedFakeQuantizer(fq.config)
-                new.enabled = fq.enabled
-                setattr(mod, name, new)
-
-
 if quant_bits is not None:
     quantize_model(model, "prepare")
     fuse_fake_quant(model)
@@ -547,17 +419,8 @@ else:
                                      {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], **opt_kw)]
 
 iter_num = 0
-if sharded_from:
-    # every rank reads the pieces of its own shards, whatever number of processes wrote them
-    # (torch.distributed.checkpoint reshards); the optimizer's state only to resume
-    state = {"model": get_model_state_dict(model)}
-    if init_from == "resume":
-        state["optimizer"] = get_optimizer_state_dict(model, optimizers)
-    dcp.load(state, checkpoint_id=sharded_from)
-    set_model_state_dict(model, state["model"])
-    if init_from == "resume":
-        set_optimizer_state_dict(model, optimizers, state["optimizer"])
-    del state
+if sharded_from:  # every rank reads its own shards; the optimizer's state only to resume
+    load_sharded_checkpoint(model, optimizers, sharded_from, with_optimizer=init_from == "resume")
 if init_from == "resume":
     iter_num = ckpt["iter_num"]
     if not sharded_from:
@@ -621,16 +484,11 @@ def full_state_dict(m, to_cpu=True):
     return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=to_cpu))
 
 
-# Conversion runs on rank 0 alone: torchao's quantized tensors are not shardable by FSDP, and
-# converting a copy on every rank is that many times the work and the memory. Rank 0 gathers the
-# weights to host memory in the compute dtype, moves them to its device one block at a time,
-# converting each on arrival (convert_on_device), and evaluates the whole split; the others wait on
-# a CPU (gloo) group whose timeout outlasts that evaluation. Peak per rank for Llama-3.1-8B on
-# 8 x 80 GB (bf16): rank 0 holds 16 GB of gathered bf16 weights in host memory (32 GB for a moment
-# with mixed_precision's fp32 gather); on its GPU, after the training state is freed, the converted
-# model (int8 codes and scales, ~1 byte a weight: ~8 GB, the embedding 1 GB in bf16) plus one
-# block in bf16 (0.4 GB) plus inference activations: ~10 GB, below the 12.6 GB of the leanest
-# training plan (pure bf16, activation checkpointing; README, "Memory"). The others hold nothing more.
+# Conversion runs on rank 0 alone: torchao's quantized tensors are not shardable by FSDP, and a
+# copy converted on every rank is that many times the work and the memory. Rank 0 gathers the
+# weights to its host in the compute dtype and moves them to its device a block at a time,
+# converting each on arrival; the others wait on a CPU (gloo) group whose timeout outlasts the
+# evaluation. The memory this takes at 8B is in the README ("Memory").
 wait_group = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
 
 
@@ -659,29 +517,8 @@ def convert_and_evaluate(state, after_qat):
     return result[0], qm
 
 
-def atomic_save(obj, path):
-    # a crash mid-write leaves the previous file intact: write aside, flush to disk, then rename
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fsync_dir(path):
-    # a rename is durable only once the directory holding it is flushed
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint():
-    """ckpt.pt, gathered on rank 0; or (sharded_checkpoint) the directory ckpt/, to which every rank
-    writes its shards, with the small things also in ckpt/state.pt. Either way a crash at any
-    moment leaves the previous checkpoint loadable, and the other format's is removed afterwards."""
+    """ckpt.pt, or (sharded_checkpoint) the directory ckpt/ of every rank's shards: checkpoint.py."""
     rngs = [None] * world_size
     dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None})
@@ -690,33 +527,7 @@ def save_checkpoint():
              # how these weights were trained (the last step taken), as ckpt_fake_quant reads it
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
              "tokenizer": data_tokenizer, "data": data_meta.get("data"), "rng": rngs}
-    single, sharded, tmp, old = (os.path.join(out_dir, n) for n in ("ckpt.pt", "ckpt", "ckpt.tmp", "ckpt.old"))
-    if not sharded_checkpoint:
-        model_sd = full_state_dict(model)
-        optim_sd = get_optimizer_state_dict(model, optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if master_process:
-            atomic_save({"model": model_sd, "optimizer": optim_sd, **small}, single)
-            shutil.rmtree(sharded, ignore_errors=True)
-        return
-    if master_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written directory
-    dist.barrier()
-    # the small things go in too, so that dcp_to_torch_save turns the directory into a whole ckpt.pt;
-    # DCP fsyncs each file it writes, and returns once rank 0 has written the index (.metadata)
-    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers), **small},
-             checkpoint_id=tmp)
-    if master_process:
-        atomic_save(small, os.path.join(tmp, "state.pt"))
-        # a directory cannot replace another in one rename: the previous one steps aside to
-        # ckpt.old, which sharded_dir reads if a crash comes between the two renames
-        if os.path.isdir(sharded):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(sharded, old)
-        os.replace(tmp, sharded)
-        fsync_dir(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(single):
-            os.remove(single)
+    save_training_checkpoint(model, optimizers, small, out_dir, sharded_checkpoint)
 
 
 log_file = None
@@ -899,11 +710,10 @@ if master_process:
         wandb.finish()
 dist.destroy_process_group()
 if torchrun:
-    # gloo's worker threads drop their last reference to a collective's tensors after the caller
-    # has moved on, and that takes the GIL: landing in interpreter shutdown, the thread is unwound
-    # through a noexcept destructor and the process aborts ("terminate called without an active
-    # exception") with all its work done. Everything is written and closed: skip the shutdown.
-    # (A plain `python` run may be one of several in one interpreter, as in the tests: it returns.)
+    # gloo's worker threads release a collective's tensors late, taking the GIL: in interpreter
+    # shutdown that aborts the process ("terminate called without an active exception") with its
+    # work done. All is written and closed: skip the shutdown. (A plain `python` run may share its
+    # interpreter with others, as in the tests: it returns.)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -314,10 +314,16 @@ def test_two_processes_match_one(parity_runs):
                         weights(os.path.join(parity_runs["two"], "model.pt")))
 
 
-def test_resume_equals_straight_run(parity_runs):
-    straight, resumed = (train_lines(read_log(parity_runs[k])) for k in ("one", "resumed"))
+def assert_resume_equals_straight_run(straight_dir, resumed_dir, weights_file=None):
+    straight, resumed = (train_lines(read_log(d)) for d in (straight_dir, resumed_dir))
     assert [r["iter"] for r in resumed] == [1, 2, 3, 4]
     assert_same_training(straight, resumed)
+    if weights_file:
+        assert_same_weights(weights(os.path.join(straight_dir, weights_file)), weights(os.path.join(resumed_dir, weights_file)))
+
+
+def test_resume_equals_straight_run(parity_runs):
+    assert_resume_equals_straight_run(parity_runs["one"], parity_runs["resumed"])
     a = torch.load(os.path.join(parity_runs["one"], "ckpt.pt"), weights_only=True)
     b = torch.load(os.path.join(parity_runs["resumed"], "ckpt.pt"), weights_only=True)
     assert a["iter_num"] == b["iter_num"] == 4
@@ -392,11 +398,7 @@ def test_save_adapter_only_writes_no_merged_model(lora_runs):
 
 
 def test_lora_resume_equals_straight_run(lora_runs):
-    straight, resumed = (train_lines(read_log(lora_runs[k])) for k in ("straight", "resumed"))
-    assert [r["iter"] for r in resumed] == [1, 2, 3, 4]
-    assert_same_training(straight, resumed)
-    assert_same_weights(weights(os.path.join(lora_runs["straight"], "ckpt.pt")),
-                        weights(os.path.join(lora_runs["resumed"], "ckpt.pt")))
+    assert_resume_equals_straight_run(lora_runs["straight"], lora_runs["resumed"], "ckpt.pt")
 
 
 # -----------------------------------------------------------------------------

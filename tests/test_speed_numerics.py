@@ -1,7 +1,6 @@
-"""The training scripts' fast fake quantizer against torchao's own: the same forward to the bit,
+"""model.fuse_fake_quant's fast fake quantizer against torchao's own: the same forward to the bit,
 the same gradients within float rounding, and one compiled graph per block."""
 
-import ast
 import copy
 import logging
 
@@ -9,34 +8,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import ROOT
 
 logging.getLogger("torchao").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from model import ModelArgs, TransformerBlock, rope_tables
-
-HELPERS = ("_FakeQuantize", "FusedFakeQuantizer", "fuse_fake_quant")
-
-
-def helper_source(script):
-    """The torchao imports and the fast fake quant helpers of a training script, as source."""
-    tree = ast.parse((ROOT / script).read_text())
-    nodes = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module.startswith("torchao")
-             or isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in HELPERS]
-    return "import torch\n" + "\n".join(ast.unparse(n) for n in nodes)
-
-
-def helpers():
-    ns = {}
-    exec(helper_source("qat_train.py"), ns)
-    return ns
-
-
-def test_both_scripts_carry_the_same_helpers():
-    assert helper_source("qat_train.py") == helper_source("kd_train.py")
-
+from model import ModelArgs, TransformerBlock, fuse_fake_quant, rope_tables
 
 def prepared(dtype, config, embedding=False):
     torch.manual_seed(0)
@@ -54,7 +31,7 @@ def test_fused_fake_quant_matches_torchao(dtype, scheme):
               else Int8DynamicActivationIntxWeightConfig(weight_dtype=getattr(torch, f"int{bits}"), weight_granularity=PerGroup(32)))
     ref = prepared(dtype, config, embedding=scheme.startswith("embedding"))
     fast = copy.deepcopy(ref)
-    helpers()["fuse_fake_quant"](fast)
+    fuse_fake_quant(fast)
     swapped = [type(fq).__name__ for mod in fast.modules()
                for fq in (getattr(mod, "activation_fake_quantizer", None), getattr(mod, "weight_fake_quantizer", None)) if fq]
     assert swapped and set(swapped) == {"FusedFakeQuantizer"}
@@ -87,7 +64,7 @@ def test_compiled_block_is_one_graph():
     block = TransformerBlock(args)
     quantize_(block, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)),
                                step="prepare"), filter_fn=lambda mod, path: isinstance(mod, nn.Linear))
-    helpers()["fuse_fake_quant"](block)
+    fuse_fake_quant(block)
     cos, sin = rope_tables(args.dim // args.n_heads, 16, args.rope_theta)
     explained = torch._dynamo.explain(block)(torch.randn(2, 16, 64), cos, sin)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
