@@ -225,7 +225,9 @@ def _load_nanotune(file):
         raise ValueError(NOT_A_CHECKPOINT.format(file)) from e
     if not (isinstance(ckpt, dict) and "model" in ckpt and "model_args" in ckpt):
         raise ValueError(NOT_A_CHECKPOINT.format(file))
-    return ModelArgs.from_dict(ckpt["model_args"]), ckpt["model"]
+    # scales learned by range_learning are training state, which the scripts take from the file
+    # themselves: the model is its weights
+    return ModelArgs.from_dict(ckpt["model_args"]), {k: v for k, v in ckpt["model"].items() if ".weight_fake_quantizer." not in k}
 
 
 def _load_meta(path, weights=True):

@@ -171,6 +171,9 @@ def check_training(c, overridden, world_size):
     quant_bits = (None, 4) if quantizer == "4w-gpu" else (8 if quant[1] else None, int(quant[2])) if quant else None
     accumulation = c["gradient_accumulation_steps"] or world_size
     problems = [
+        (quantizer == "4w-gpu" and c.get("range_learning"),
+         "range_learning=True learns the scales of torchao's intN fake quantizers, which '4w-gpu' does not use; "
+         "use an 'Nw' or '8daNw' quantizer"),
         (quantizer == "4w-gpu" and (device != "cuda" or dtype != "bfloat16"),
          "quantizer='4w-gpu' converts to torchao's int4 CUDA kernels, which run in bfloat16 on a GPU only; "
          "set device='cuda' and dtype='bfloat16', or use '8da4w' on a CPU"),
@@ -196,7 +199,8 @@ def check_training(c, overridden, world_size):
          "export_format='pte' needs the executorch package: pip install executorch"),
     ]
     # a setting that would be ignored in this mode is a mistake to point out, not to run with
-    if quant_bits is None and (unused := [k for k in ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip") if k in overridden]):
+    if quant_bits is None and (unused := [k for k in ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip",
+                                                      "range_learning") if k in overridden]):
         problems.append((True, f"{', '.join(unused)} only matter with a quantizer, and quantizer='none'; set a quantizer or drop them"))
     shape = [k for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "preset") if k in overridden]
     if c["init_from"] not in ("scratch", "resume") and shape:  # resume compares them with the checkpoint

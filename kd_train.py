@@ -70,7 +70,7 @@ from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_execut
                         load_sharded_checkpoint, save_adapter, save_training_checkpoint, sharded_dir, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
-                   flops_per_token, fuse_fake_quant, mark_only_lora_trainable, merge_lora, peak_flops, to_lora_keys)
+                   flops_per_token, fuse_fake_quant, initial_scales, learn_scales, mark_only_lora_trainable, merge_lora, peak_flops, to_lora_keys)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -118,6 +118,7 @@ group_size = 32  # weights share one scale per group of this many input channels
 fake_quant_after_n_steps = 0  # train in full precision until this step, then fake-quantize
 quantize_embedding = False  # also fake-quantize the token embedding (weight-only, same bits)
 quant_skip = ()  # modules left in full precision, by path, e.g. ('output', 'layers.0')
+range_learning = False  # learn each weight group's scale with the weights (as in qat_train.py)
 # data and batch
 batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
@@ -242,7 +243,7 @@ if init_from == "resume":
         check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init",
                                     "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
                                     "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding",
-                                    "quant_skip", "fake_quant_after_n_steps", "teacher_topk_dir"), data_meta, resume_path)
+                                    "quant_skip", "range_learning", "fake_quant_after_n_steps", "teacher_topk_dir"), data_meta, resume_path)
     except ValueError as e:
         fail(str(e))
 elif init_from == "scratch":
@@ -473,14 +474,13 @@ def quantize_model(m, step, within=""):
 
 def convert_on_device(m, after_training):
     """Converts m (weights on the host) piece by piece onto the device, so that the device never
-    holds more than the converted pieces and one piece in the compute dtype: after QAT,
-    QATConfig's prepare and convert; else the same scheme on plain weights (PTQ)."""
+    holds more than the converted pieces and one piece in the compute dtype: after QAD (m then
+    prepared), QATConfig's convert; else the same scheme on plain weights (PTQ)."""
     m.reset_buffers(device)
     for path, piece in [(f"layers.{i}", layer) for i, layer in enumerate(m.layers)] + [
             ("tok_embeddings", m.tok_embeddings), ("norm", m.norm), ("output", m.output)]:
         piece.to(device)
-        for step in ("prepare", "convert") if after_training else ("ptq",):
-            quantize_model(m, step, within=path)
+        quantize_model(m, "convert" if after_training else "ptq", within=path)
     return m.eval()
 
 
@@ -493,6 +493,8 @@ def set_fake_quant(m, enabled):
 
 if quant_bits is not None:
     quantize_model(model, "prepare")
+    if range_learning:
+        learn_scales(model)
     fuse_fake_quant(model)
     if model_args.tie_embeddings:  # prepare gives the output layer a weight of its own: tie it back
         model.output.weight = model.tok_embeddings.weight
@@ -548,6 +550,8 @@ if master_process and not sharded_from:
         init_state = init_model.state_dict()
     elif lora_rank and init_from != "resume":
         init_state = {**to_lora_keys(init_state, model), **lora_init_state()}
+    if range_learning and init_from != "resume":  # a resume has its learned scales
+        init_state = {**init_state, **initial_scales(model, init_state)}
 broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 if not sharded_from:  # a sharded checkpoint is read after the optimizer exists, with its state
     set_model_state_dict(model, init_state if master_process else {}, options=broadcast)
@@ -557,11 +561,12 @@ if teacher is not None:
 del init_state, teacher_state
 
 # -----------------------------------------------------------------------------
-# optimizer: AdamW over the trainable parameters (the adapters alone with LoRA), decay on matrices
-decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
+# optimizer: AdamW over the trainable parameters (the adapters alone with LoRA), decay on weight
+# matrices only (not on learned scales: it would shrink the grid)
+params = [p for p in model.parameters() if p.requires_grad]
+decayed = {p for n, p in model.named_parameters() if p.ndim >= 2 and not n.endswith("learned_scale")}
+optimizer = torch.optim.AdamW([{"params": [p for p in params if p in decayed], "weight_decay": weight_decay},
+                               {"params": [p for p in params if p not in decayed], "weight_decay": 0.0}],
                               lr=learning_rate, betas=(beta1, beta2), fused=True)  # one kernel per step, on GPUs and CPUs alike
 iter_num = 0
 if sharded_from:  # every rank reads its own shards, with the optimizer's state
@@ -887,7 +892,6 @@ if profile:
         on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(out_dir, f"trace_rank{rank}.json")),
         profile_memory=True, record_shapes=True)
 offload_ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if activation_offloading else nullcontext()
-params = [p for p in model.parameters() if p.requires_grad]
 set_fake_quant(model, fake_quant_on(iter_num))
 if master_process and quant_bits is not None:
     print(f"fake quant ({quantizer}, group {group_size}) {'on' if fake_quant_on(iter_num) else 'off until step ' + str(fake_quant_after_n_steps)}")
@@ -966,11 +970,11 @@ set_fake_quant(model, False)
 fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss),
            "teacher_val_loss": teacher_val_loss, "quant_val_loss": None}
-del optimizer, params, decay, no_decay  # make room: rank 0 gathers the whole student
+del optimizer, params, decayed  # make room: rank 0 gathers the whole student
 state = full_state_dict(model)  # rank 0 alone ends up with it, in host memory
 merged_args = ModelArgs(**{**vars(model_args), "lora_rank": 0})
 if master_process:
-    cpu_state = {k: v.cpu() for k, v in state.items()}
+    cpu_state = {k: v.cpu() for k, v in state.items() if not k.endswith("learned_scale")}  # the weights alone
     merged = merge_lora(cpu_state, model_args) if lora_rank else cpu_state
     if lora_rank:
         save_adapter(adapter_state_dict(cpu_state), model_args, os.path.join(out_dir, "adapter"))
@@ -999,11 +1003,14 @@ if quant_bits is not None:
     if master_process:
         with torch.device("meta"):
             qmodel = Transformer(model_args)
-        for k in state:  # one tensor at a time into the compute dtype
-            state[k] = state[k].to(ptdtype)
+            if qad_trained:  # the fake quantizers the conversion reads; learned scales are loaded into them
+                quantize_model(qmodel, "prepare")
+                if range_learning:
+                    learn_scales(qmodel)
+        state = {k: v.to(ptdtype) for k, v in state.items() if qad_trained and range_learning or not k.endswith("learned_scale")}
         qmodel.load_state_dict(state, assign=True)
         del state
-        convert_on_device(qmodel, qad_trained)
+        convert_on_device(qmodel.requires_grad_(False), qad_trained)
         result = [evaluate(qmodel, full=True, alone=True)]
     dist.broadcast_object_list(result, src=0, group=wait_group)
     quant_val_loss = result[0]
@@ -1012,7 +1019,7 @@ if quant_bits is not None:
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
-                     "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
+                     "range_learning": range_learning, "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
                     os.path.join(out_dir, "quantized.pt"))
         if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
             export_executorch(qmodel.to("cpu"), os.path.join(out_dir, "model.pte"))

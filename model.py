@@ -32,6 +32,7 @@ logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import PerGroup
 from torchao.quantization.granularity import PerToken
+from torchao.quantization.qat import IntxFakeQuantizeConfig
 from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
 from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH, _DTYPE_TO_QVALUE_BOUNDS, MappingType, choose_qparams_affine
 from torchao.quantization.utils import _get_per_token_block_size, get_group_qparams_symmetric
@@ -531,6 +532,69 @@ def fuse_fake_quant(m):
                 new = FusedFakeQuantizer(fq.config)
                 new.enabled = fq.enabled
                 setattr(mod, name, new)
+
+
+class LearnedScaleFakeQuantizer(nn.Module):
+    """Symmetric per-group fake quantization of a weight (out, in) whose scales (out, in / group)
+    are trained with it (LSQ, Esser et al. 2020; torchao's range_learning): rounding passes the
+    gradient straight through, so a scale s learns d(q * s)/ds = round(w/s) - w/s inside the grid,
+    and qmin or qmax where the clamp holds. The parameter is learned_scale; the scale is its
+    magnitude, so that a step past 0 flips no grid. torchao's conversion reads `scale` and
+    `zero_point` from here (config.range_learning) instead of choosing its own."""
+
+    def __init__(self, config, weight):
+        super().__init__()
+        self.config, self.enabled = config, True
+        # the weight's dtype: FSDP2 shards a block's parameters together, in one dtype
+        self.learned_scale = nn.Parameter(torch.empty(weight.shape[0], weight.shape[1] // config.granularity.group_size,
+                                                      dtype=weight.dtype, device=weight.device))
+
+    @property
+    def scale(self):
+        return self.learned_scale.float().abs().clamp(min=1e-9)
+
+    @property
+    def zero_point(self):  # symmetric: zero
+        return torch.zeros_like(self.learned_scale, dtype=torch.int32)
+
+    def forward(self, w):
+        if not self.enabled:
+            return w
+        qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[self.config.dtype]
+        s = self.scale.unsqueeze(-1)  # (out, groups, 1)
+        x = w.float().view(*s.shape[:2], -1) * (1.0 / s)  # as torchao rounds: by the reciprocal
+        q = (x + (x.round() - x).detach()).clamp(qmin, qmax)
+        return (q * s).view(w.shape).to(w.dtype)
+
+
+def learn_scales(m):
+    """Swaps the per-group weight fake quantizer of each prepared linear layer for a
+    LearnedScaleFakeQuantizer of the same bits and groups (its scales still to be set)."""
+    for mod in m.modules():
+        fq = getattr(mod, "weight_fake_quantizer", None)
+        if isinstance(mod, nn.Linear) and isinstance(fq, IntxFakeQuantizer) and isinstance(fq.config.granularity, PerGroup):
+            c = fq.config
+            config = IntxFakeQuantizeConfig(c.dtype, c.granularity, c.mapping_type, c.scale_precision, c.zero_point_precision,
+                                            c.zero_point_domain, is_dynamic=False, range_learning=True, eps=c.eps)
+            learned = LearnedScaleFakeQuantizer(config, mod.weight)
+            learned.enabled = fq.enabled
+            mod.weight_fake_quantizer = learned
+
+
+@torch.no_grad()
+def initial_scales(m, state):
+    """{name: scales} for each LearnedScaleFakeQuantizer of m, computed from the weights in the
+    state dict `state` as torchao's dynamic fake quantizer computes them: training starts where
+    plain QAT would."""
+    out = {}
+    for path, mod in m.named_modules():
+        fq = getattr(mod, "weight_fake_quantizer", None)
+        if isinstance(fq, LearnedScaleFakeQuantizer):
+            w = state[f"{path}.weight"]
+            scale, _ = get_group_qparams_symmetric(w.float(), _DTYPE_TO_BIT_WIDTH[fq.config.dtype], fq.config.granularity.group_size,
+                                                   torch.float32, eps=fq.config.eps)
+            out[f"{path}.weight_fake_quantizer.learned_scale"] = scale.view(w.shape[0], -1).to(w.dtype)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

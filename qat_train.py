@@ -48,7 +48,7 @@ from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_execut
                         load_sharded_checkpoint, save_training_checkpoint, sharded_dir, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
-                   merge_lora, peak_flops)
+                   initial_scales, learn_scales, merge_lora, peak_flops)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -80,6 +80,9 @@ group_size = 32  # weights share one scale per group of this many input channels
 fake_quant_after_n_steps = 0  # train in full precision until this step, then fake-quantize
 quantize_embedding = False  # also fake-quantize the token embedding (weight-only, same bits)
 quant_skip = ()  # modules left in full precision, by path, e.g. ('output', 'layers.0')
+# learn each weight group's scale with the weights (LSQ; torchao's range_learning), starting from
+# the scales plain QAT computes; the conversion then uses the learned ones
+range_learning = False
 # data and batch
 batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
@@ -172,6 +175,9 @@ elif sharded_from:  # the small things now; every rank reads its shards once the
     if model_args.lora_rank:
         fail(f"{sharded_from} holds LoRA adapters, which are merged from a single file only; convert it with "
              f"{TO_SINGLE_FILE.format(sharded_from)} and give init_from={sharded_from + '.pt'!r}")
+    if range_learning and init_from != "resume":
+        fail(f"range_learning=True starts from a single-file checkpoint; convert {sharded_from} with "
+             f"{TO_SINGLE_FILE.format(sharded_from)} and give init_from={sharded_from + '.pt'!r}")
 else:
     try:  # only rank 0 broadcasts the weights (memory-mapped); the others need the shapes alone
         model_args, init_state = load_checkpoint(resume_path, weights=master_process)
@@ -197,7 +203,7 @@ try:
     quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip) if quant_bits else ()
 except ValueError as e:
     fail(str(e))
-quant_settings = ("quantizer", "group_size", "quantize_embedding", "quant_skip")
+quant_settings = ("quantizer", "group_size", "quantize_embedding", "quant_skip", "range_learning")
 if init_from == "resume":  # these decide which batches a step sees, or what the weights were trained for
     try:
         check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "fake_quant_after_n_steps",
@@ -205,7 +211,10 @@ if init_from == "resume":  # these decide which batches a step sees, or what the
     except ValueError as e:
         fail(str(e))
 # whether the loaded weights were trained with this very fake quantization (so converting them is QAT)
-ckpt_fake_quant = bool(ckpt.get("fake_quant")) and all(ckpt["config"].get(k) == globals()[k] for k in quant_settings)
+same_quant = "config" in ckpt and all(ckpt["config"].get(k) == globals()[k] for k in quant_settings)
+ckpt_fake_quant = bool(ckpt.get("fake_quant")) and same_quant
+# scales learned by range_learning: training state, which load_checkpoint leaves out of the weights
+ckpt_scales = {k: v for k, v in ckpt.get("model", {}).items() if k.endswith("learned_scale")} if same_quant else {}
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 
 # -----------------------------------------------------------------------------
@@ -346,14 +355,13 @@ def quantize_model(m, step, within=""):
 
 def convert_on_device(m, after_training):
     """Converts m (weights on the host) piece by piece onto the device, so that the device never
-    holds more than the converted pieces and one piece in the compute dtype: after QAT,
-    QATConfig's prepare and convert; else the same scheme on plain weights (PTQ)."""
+    holds more than the converted pieces and one piece in the compute dtype: after QAT (m then
+    prepared), QATConfig's convert; else the same scheme on plain weights (PTQ)."""
     m.reset_buffers(device)
     for path, piece in [(f"layers.{i}", layer) for i, layer in enumerate(m.layers)] + [
             ("tok_embeddings", m.tok_embeddings), ("norm", m.norm), ("output", m.output)]:
         piece.to(device)
-        for step in ("prepare", "convert") if after_training else ("ptq",):
-            quantize_model(m, step, within=path)
+        quantize_model(m, "convert" if after_training else "ptq", within=path)
     return m.eval()
 
 
@@ -366,6 +374,8 @@ def set_fake_quant(m, enabled):
 
 if quant_bits is not None:
     quantize_model(model, "prepare")
+    if range_learning:
+        learn_scales(model)
     fuse_fake_quant(model)
     if model_args.tie_embeddings:  # prepare gives the output layer a weight of its own: tie it back
         model.output.weight = model.tok_embeddings.weight
@@ -400,23 +410,27 @@ if master_process and init_state is None and not sharded_from:
     init_model = Transformer(model_args)
     init_model.init_weights(seed=seed)
     init_state = init_model.state_dict()
+if master_process and range_learning and not sharded_from:  # the checkpoint's learned scales, else fresh ones
+    init_state = {**init_state, **initial_scales(model, init_state), **ckpt_scales}
 if not sharded_from:  # a sharded checkpoint is read after the optimizer exists, with its state
     set_model_state_dict(model, init_state if master_process else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 del init_state
 
 # -----------------------------------------------------------------------------
-# optimizer: AdamW, weight decay on matrices only. With optimizer_in_bwd, one AdamW per
-# parameter, stepped by a hook as soon as its gradient is reduced, so gradients never pile up
+# optimizer: AdamW, weight decay on weight matrices only (not on learned scales: it would shrink
+# the grid). With optimizer_in_bwd, one AdamW per parameter, stepped by a hook as soon as its
+# gradient is reduced, so gradients never pile up
 params = [p for p in model.parameters() if p.requires_grad]
+decayed = {p for n, p in model.named_parameters() if p.ndim >= 2 and not n.endswith("learned_scale")}
 opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=True)  # one kernel per step, on GPUs and CPUs alike
 if optimizer_in_bwd:
-    optimizers = [torch.optim.AdamW([p], weight_decay=weight_decay if p.ndim >= 2 else 0.0, **opt_kw) for p in params]
+    optimizers = [torch.optim.AdamW([p], weight_decay=weight_decay if p in decayed else 0.0, **opt_kw) for p in params]
     for p, opt in zip(params, optimizers):
         p.register_post_accumulate_grad_hook(lambda p, opt=opt: (opt.step(), opt.zero_grad(set_to_none=True)))
 else:
-    optimizers = [torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-                                     {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], **opt_kw)]
+    optimizers = [torch.optim.AdamW([{"params": [p for p in params if p in decayed], "weight_decay": weight_decay},
+                                     {"params": [p for p in params if p not in decayed], "weight_decay": 0.0}], **opt_kw)]
 
 iter_num = 0
 if sharded_from:  # every rank reads its own shards; the optimizer's state only to resume
@@ -510,8 +524,14 @@ def convert_and_evaluate(state, after_qat):
     if master_process:
         with torch.device("meta"):
             qm = Transformer(model_args)
+            if after_qat:  # the fake quantizers the conversion reads; learned scales are loaded into them
+                quantize_model(qm, "prepare")
+                if range_learning:
+                    learn_scales(qm)
+        if not (after_qat and range_learning):
+            state = {k: v for k, v in state.items() if not k.endswith("learned_scale")}
         qm.load_state_dict(state, assign=True)
-        convert_on_device(qm, after_qat)
+        convert_on_device(qm.requires_grad_(False), after_qat)
         result = [evaluate(qm, full=True, alone=True)]
     dist.broadcast_object_list(result, src=0, group=wait_group)
     return result[0], qm
@@ -662,6 +682,7 @@ fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss), "quant_val_loss": None}
 if export_format in ("hf", "meta"):  # the trained full-precision weights, for tools that quantize on their own
     fp_state = full_state_dict(model)  # a collective; rank 0 ends up with the weights, on the CPU
+    fp_state = {k: v for k, v in fp_state.items() if not k.endswith("learned_scale")}  # the weights alone
     if master_process:
         export_dir = os.path.join(out_dir, f"export_{export_format}")
         tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
@@ -687,7 +708,7 @@ if quant_bits is not None:
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
-                     "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
+                     "range_learning": range_learning, "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
                     os.path.join(out_dir, "quantized.pt"))
         if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
             export_executorch(qmodel.to("cpu"), os.path.join(out_dir, "model.pte"))

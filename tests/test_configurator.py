@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from configurator import ConfigError, apply_config, config_keys, configure  # noqa: E402
+from configurator import ConfigError, apply_config, check_training, config_keys, configure  # noqa: E402
 
 
 def make_globals():
@@ -205,3 +206,27 @@ def test_constants_are_not_settings():
     assert config_keys(g) == ["batch_size"]
     with pytest.raises(ConfigError, match="IGNORE_INDEX"):
         apply_config(g, config_keys(g), ["--IGNORE_INDEX=0"], print_config=False)
+
+
+TRAINING = dict(quantizer="8da4w", dtype="float32", device="cpu", export_format="none", mixed_precision=False,
+                cpu_offload=False, activation_offloading=False, gradient_accumulation_steps=0, replicate_degree=1,
+                group_size=32, quantize_embedding=False, init_from="scratch", range_learning=False)
+
+
+@pytest.mark.parametrize("settings, overridden, world_size, words", [
+    (dict(quantizer="4w-gpu", range_learning=True), ["range_learning"], 1, "'4w-gpu' does not use"),
+    (dict(quantizer="none", range_learning=True), ["range_learning"], 1, "range_learning only matter with a quantizer"),
+    (dict(quantizer="3bit"), [], 1, "quantizer='3bit' is unknown"),
+    (dict(gradient_accumulation_steps=3), [], 2, "must be a multiple of the 2 processes"),
+    (dict(replicate_degree=3), [], 4, "replicate_degree=3 must divide"),
+    (dict(init_from="out/x/ckpt.pt", n_layer=4), ["n_layer"], 1, "carries its own shape"),
+])
+def test_check_training_refuses(settings, overridden, world_size, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        check_training({**TRAINING, **settings}, overridden, world_size)
+
+
+def test_check_training_resolves_bits_and_accumulation():
+    assert check_training(TRAINING, [], 4) == ((8, 4), 4)  # 0: one micro-batch per process
+    assert check_training({**TRAINING, "quantizer": "2w", "gradient_accumulation_steps": 8}, [], 2) == ((None, 2), 8)
+    assert check_training({**TRAINING, "quantizer": "none"}, [], 1) == (None, 1)

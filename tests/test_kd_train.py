@@ -427,6 +427,7 @@ def misc_runs(setup, tmp_path_factory):
         "lora_setting_without_lora": dict(common, lora_alpha=8.0),
         "jsd_beta_without_jsd": dict(common, jsd_beta=0.3),
         "group_size_without_quantizer": dict(common, group_size=64),
+        "range_learning_without_quantizer": dict(common, range_learning=True),
     }
     for name, s in cases.items():
         s["out_dir"] = str(out / name)
@@ -451,6 +452,23 @@ def test_qad_ends_with_a_converted_model(misc_runs):
     assert q["quantizer"] == "8da4w" and "layers.0.attention.wq.weight" in q["model"]
 
 
+def test_qad_learned_scales_resume_and_convert(setup, tmp_path):
+    # QAD with range_learning: the learned scales are restored on resume (the steps after it and
+    # the converted model equal the straight run's) and stay out of the student's model.pt
+    common = dict(BASE, data_dir=setup["data"], init_from=setup["teacher"], teacher_init=setup["teacher"],
+                  quantizer="8da2w", range_learning=True, max_iters=4, learning_rate=1e-3, kd_ratio=0.5)
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    run_in_one_process([("kd_train.py", dict(common, out_dir=straight)),
+                        ("kd_train.py", dict(common, out_dir=resumed, max_iters=2, lr_decay_iters=4)),
+                        ("kd_train.py", dict(common, out_dir=resumed, init_from="resume"))], tmp_path)
+    assert_resume_equals_straight_run(straight, resumed, "ckpt.pt")
+    a, b = (read_log(d)[-1] for d in (straight, resumed))
+    assert a["method"] == "qad" and a["quant_val_loss"] == pytest.approx(b["quant_val_loss"], rel=1e-6)
+    ckpt = torch.load(os.path.join(straight, "ckpt.pt"), weights_only=True)["model"]
+    assert "layers.0.attention.wq.weight_fake_quantizer.learned_scale" in ckpt
+    assert not any(k.endswith("learned_scale") for k in weights(os.path.join(straight, "model.pt")))
+
+
 ERRORS = {
     "kd_divergence": "kd_divergence='kl' is unknown",
     "kd_ratio": "kd_ratio=1.5 and jsd_beta=0.5 are weights: each must lie in [0, 1]",
@@ -462,6 +480,7 @@ ERRORS = {
     "lora_setting_without_lora": "lora_alpha only matter with LoRA",
     "jsd_beta_without_jsd": "jsd_beta only matters with kd_divergence='jsd'",
     "group_size_without_quantizer": "group_size only matter with a quantizer",
+    "range_learning_without_quantizer": "range_learning only matter with a quantizer",
 }
 
 

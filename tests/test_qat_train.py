@@ -28,7 +28,7 @@ from torchao.quantization import (  # noqa: E402
 from torchao.quantization.qat import QATConfig  # noqa: E402
 
 from conftest import command, make_data, read_log, run, run_early_exits, script_env  # noqa: E402
-from model import IGNORE_INDEX, ModelArgs, Transformer  # noqa: E402
+from model import IGNORE_INDEX, ModelArgs, Transformer, initial_scales, learn_scales  # noqa: E402
 
 SCRIPT = "qat_train.py"
 # 6 steps of a 2-layer dim-64 model: each run is mostly interpreter and import start-up
@@ -332,6 +332,42 @@ def test_converted_model_matches_fake_quantized_model(train, data):
     assert fp == pytest.approx(s["fp_val_loss"], rel=1e-6)
     assert fq == pytest.approx(s["quant_val_loss"], rel=1e-6)
     assert abs(s["quant_val_loss"] - s["fp_val_loss"]) > 10 * 1e-6 * s["fp_val_loss"]  # 4-bit weights cost a little
+
+
+def test_range_learning_scales_survive_resume_and_conversion(train, data, tmp_path):
+    # learned scales move from torchao's starting ones, are saved, restored on resume and used by
+    # the conversion: the converted model computes what the fake-quantized one did
+    rl = dict(QAT, quantizer="8da2w", fake_quant_after_n_steps=0, range_learning=True)
+    straight = train(**rl)
+    out = tmp_path / "resumed"
+    settings = {**BASE, **rl, "data_dir": data, "out_dir": out, "lr_decay_iters": BASE["max_iters"]}
+    run(SCRIPT, **{**settings, "max_iters": 3})
+    run(SCRIPT, **{**settings, "init_from": "resume"})
+    assert_same_losses(losses(read_log(out)), losses(read_log(straight)), rel=1e-6)
+    ckpt = torch.load(straight / "ckpt.pt", weights_only=True)
+    assert max_weight_diff(torch.load(out / "ckpt.pt", weights_only=True)["model"], ckpt["model"]) < 1e-6
+
+    args = ModelArgs.from_dict(ckpt["model_args"])
+    fake = Transformer(args)
+    quantize_(fake, QATConfig(base_config("8da2w", 32), step="prepare"), filter_fn=is_linear)
+    learn_scales(fake)
+    fake.load_state_dict(ckpt["model"])  # strict: a scale for every linear layer, nothing else
+    start = initial_scales(fake, ckpt["model"])
+    assert max((ckpt["model"][k] - v).abs().max().item() for k, v in start.items()) > 1e-3  # they learned
+    s = summary(read_log(straight))
+    assert s["method"] == "qat"
+    assert full_val_loss(fake, data, BASE["block_size"]) == pytest.approx(s["quant_val_loss"], rel=1e-5)
+    with torch.no_grad():  # the starting scales give another model: the learned ones are what ran
+        for name, scale in start.items():
+            fake.get_parameter(name).copy_(scale)
+    assert full_val_loss(fake, data, BASE["block_size"]) != pytest.approx(s["quant_val_loss"], rel=1e-4)
+
+    # converting the checkpoint again (init_from, not resume) takes its scales too
+    again = tmp_path / "convert"
+    run(SCRIPT, **{**FINETUNE, **rl, "data_dir": data, "out_dir": again, "init_from": str(straight / "ckpt.pt"),
+                   "convert_only": True})
+    assert summary(read_log(again))["method"] == "qat"
+    assert summary(read_log(again))["quant_val_loss"] == pytest.approx(s["quant_val_loss"], rel=1e-6)
 
 
 def test_ptq_of_plain_checkpoint(train, data, tmp_path):
