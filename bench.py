@@ -307,7 +307,7 @@ def quality(opt):
                   f"| {opt.student_preset} | {ms(ce)} | {ms(kd)} | {teacher_loss:.3f} | {pm(closed)} |"]
     origin = opt.base_ckpt or f"{opt.preset} trained {opt.base_iters} steps"
     report = (f"Quality: base {origin} on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
-              f"(lr {opt.ft_lr}), QAD kd_ratio {opt.qad_kd_ratio}, teacher {opt.qad_teacher}; "
+              f"(lr {opt.ft_lr}), QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)}, teacher {opt.qad_teacher}; "
               f"settings: quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
               f"student {opt.student_preset} {opt.kd_iters} steps, "
               f"kd_ratio {opt.kd_ratio}; batch {opt.batch_size} x {opt.block_size}, {opt.dtype}, {opt.seeds} seed(s); "
