@@ -50,6 +50,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -88,6 +89,35 @@ def run(script, args, out_dir, nproc=1, quiet=True):
 
 def summary(records):
     return next(r for r in reversed(records) if "fp_val_loss" in r)
+
+
+def run_once(script, args, out_dir, nproc=1, quiet=True):
+    """run(), unless out_dir holds a finished run of exactly these arguments: the plain finetunes
+    and PTQ evaluations are then shared by every QAT/QAD setting compared against them."""
+    stamp, log_path = os.path.join(out_dir, "bench_args.json"), os.path.join(out_dir, "log.jsonl")
+    key = json.loads(json.dumps({"script": script, "nproc": nproc, **args}))
+    if os.path.exists(stamp) and os.path.exists(log_path):
+        with open(stamp) as f:
+            if json.load(f) == key:
+                with open(log_path) as g:
+                    records = [json.loads(line) for line in g]
+                if any("fp_val_loss" in r for r in records):
+                    print(f"  {script} {out_dir}: reused")
+                    return records
+    if os.path.exists(stamp):
+        os.remove(stamp)
+    records = run(script, args, out_dir, nproc, quiet)
+    with open(stamp, "w") as f:
+        json.dump(key, f)
+    return records
+
+
+def settings(pairs):
+    """--qat_set/--qad_set/--quant_set's KEY=VALUE strings as script flags, and a name for them."""
+    if any("=" not in p for p in pairs):
+        sys.exit(f"bench: settings are KEY=VALUE, got {[p for p in pairs if '=' not in p]}")
+    args = dict(p.split("=", 1) for p in pairs)
+    return args, "".join("_" + re.sub(r"[^\w.=+-]", "", f"{k}={v}") for k, v in args.items())
 
 
 def short_val_copy(data_dir, out, n_tokens):
@@ -199,30 +229,40 @@ def quality(opt):
     if opt.base_ckpt:  # an earlier run's base: its fp loss is read again on this data
         base_ckpt = opt.base_ckpt
         print(f"base model: {base_ckpt}")
-        base = summary(run("qat_train.py", {**common, "init_from": base_ckpt, "quantizer": "8da4w", "convert_only": True},
-                           os.path.join(out, "base_eval"), opt.nproc))
+        base = summary(run_once("qat_train.py", {**common, "init_from": base_ckpt, "quantizer": "8da4w", "convert_only": True},
+                                os.path.join(out, "base_eval"), opt.nproc))
     else:
         print(f"base model: {opt.preset}, {opt.base_iters} steps")
         base = summary(run("qat_train.py", base_args, base_dir, opt.nproc, quiet=False))
     teacher_loss = base["fp_val_loss"]
     ft = {**common, "init_from": base_ckpt, "max_iters": opt.ft_iters, "learning_rate": opt.ft_lr,
           "min_lr": opt.ft_lr / 10, "warmup_iters": max(1, opt.ft_iters // 10)}
+    quant_set, quant_name = settings(opt.quant_set)
+    qat_set, qat_name = settings(opt.qat_set)
+    qad_set, qad_name = settings(opt.qad_set + [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base"))
+    methods = opt.methods.split(",")
     schemes = opt.schemes.split(",")
     runs = {s: [] for s in schemes}  # per scheme, one dict of perplexities per seed
     kd_runs = []  # per seed, the student's val loss trained with CE alone and with KD
     for seed in range(opt.seeds):
         print(f"seed {seed}")
         plain_dir = os.path.join(out, f"s{seed}_plain")
-        plain = summary(run("qat_train.py", {**ft, "quantizer": "none", "seed": seed}, plain_dir, opt.nproc, quiet=False))
+        plain = summary(run_once("qat_train.py", {**ft, "quantizer": "none", "seed": seed}, plain_dir, opt.nproc, quiet=False))
+        teacher = {"base": base_ckpt, "plain": os.path.join(plain_dir, "ckpt.pt")}[opt.qad_teacher]
         for s in schemes:
-            ptq = summary(run("qat_train.py", {**common, "init_from": os.path.join(plain_dir, "ckpt.pt"),
-                                                "quantizer": s, "group_size": opt.group_size, "convert_only": True}, os.path.join(out, f"s{seed}_ptq_{s}"), opt.nproc))
-            qat = summary(run("qat_train.py", {**ft, "quantizer": s, "group_size": opt.group_size, "seed": seed}, os.path.join(out, f"s{seed}_qat_{s}"),
-                              opt.nproc, quiet=False))
-            qad = summary(run("kd_train.py", {**ft, "teacher_init": base_ckpt, "quantizer": s, "group_size": opt.group_size, "seed": seed,
-                                              "kd_ratio": opt.qad_kd_ratio}, os.path.join(out, f"s{seed}_qad_{s}"), opt.nproc, quiet=False))
-            r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"], "qat": qat["quant_val_loss"],
-                 "qad": qad["quant_val_loss"], "fp_qat": qat["fp_val_loss"], "fp_qad": qad["fp_val_loss"]}
+            q = {"quantizer": s, "group_size": opt.group_size, **quant_set}
+            ptq = summary(run_once("qat_train.py", {**common, "init_from": os.path.join(plain_dir, "ckpt.pt"), **q, "convert_only": True},
+                                   os.path.join(out, f"s{seed}_ptq_{s}{quant_name}"), opt.nproc))
+            r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"]}
+            if "qat" in methods:
+                qat = summary(run_once("qat_train.py", {**ft, **q, "seed": seed, **qat_set},
+                                       os.path.join(out, f"s{seed}_qat_{s}{quant_name}{qat_name}"), opt.nproc, quiet=False))
+                r.update(qat=qat["quant_val_loss"], fp_qat=qat["fp_val_loss"])
+            if "qad" in methods:
+                qad = summary(run_once("kd_train.py", {**ft, **q, "seed": seed, "kd_ratio": opt.qad_kd_ratio, **qad_set,
+                                                       "teacher_init": teacher},
+                                       os.path.join(out, f"s{seed}_qad_{s}{quant_name}{qad_name}"), opt.nproc, quiet=False))
+                r.update(qad=qad["quant_val_loss"], fp_qad=qad["fp_val_loss"])
             runs[s].append({k: math.exp(v) for k, v in r.items()})
             print("  " + s + ": ppl " + "  ".join(f"{k} {v:.3f}" for k, v in runs[s][-1].items()))
         if not opt.kd_iters:
@@ -236,24 +276,25 @@ def quality(opt):
         print(f"  student val loss: CE only {ce['fp_val_loss']:.4f}  KD {kd['fp_val_loss']:.4f}  teacher {teacher_loss:.4f}")
 
     def ms(xs):
-        return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}"
+        return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}" if xs else "-"
 
     def pm(xs):  # a share, in percent, mean ± std over seeds
-        return f"{100 * statistics.mean(xs):.0f}% ± {100 * (statistics.stdev(xs) if len(xs) > 1 else 0):.0f}"
+        return f"{100 * statistics.mean(xs):.0f}% ± {100 * (statistics.stdev(xs) if len(xs) > 1 else 0):.0f}" if xs else "-"
 
     results = {"options": vars(opt), "base_val_loss": teacher_loss, "schemes": {}, "kd": {}}
     table = ["| scheme | ppl fp | ppl PTQ | PTQ degradation | ppl QAT | ppl QAD | QAT recovers | QAD recovers |",
              "|---|---|---|---|---|---|---|---|"]
     notes = []
     for s in schemes:
-        col = {k: [r[k] for r in runs[s]] for k in runs[s][0]}
+        col = {k: [r.get(k) for r in runs[s]] for k in ("fp", "ptq", "qat", "qad")}
+        col = {k: v if None not in v else [] for k, v in col.items()}  # a method not run leaves its column empty
         deg = [p / f - 1 for p, f in zip(col["ptq"], col["fp"])]
         # recovery of X: the share of PTQ's perplexity loss that X wins back
         rec = {m: [(r["ptq"] - r[m]) / (r["ptq"] - r["fp"]) if r["ptq"] != r["fp"] else float("nan") for r in runs[s]]
-               for m in ("qat", "qad")}
-        results["schemes"][s] = {"runs": runs[s], "ptq_degradation": deg, "qat_recovery": rec["qat"], "qad_recovery": rec["qad"]}
-        table.append(f"| {s} g{opt.group_size} | {ms(col['fp'])} | {ms(col['ptq'])} | {pm(deg)} | {ms(col['qat'])} | "
-                     f"{ms(col['qad'])} | {pm(rec['qat'])} | {pm(rec['qad'])} |")
+               for m in ("qat", "qad") if m in methods}
+        results["schemes"][s] = {"runs": runs[s], "ptq_degradation": deg, **{f"{m}_recovery": v for m, v in rec.items()}}
+        table.append(f"| {s} g{opt.group_size}{quant_name} | {ms(col['fp'])} | {ms(col['ptq'])} | {pm(deg)} | {ms(col['qat'])} | "
+                     f"{ms(col['qad'])} | {pm(rec.get('qat'))} | {pm(rec.get('qad'))} |")
         # the degradation is paired (PTQ of the same seed's model), so its own spread says whether it is real
         if len(deg) > 1 and statistics.mean(deg) <= 2 * statistics.stdev(deg):
             notes.append(f"- {s}: PTQ's degradation ({100 * statistics.mean(deg):.2f}%) is within twice its seed "
@@ -266,11 +307,13 @@ def quality(opt):
                   f"| {opt.student_preset} | {ms(ce)} | {ms(kd)} | {teacher_loss:.3f} | {pm(closed)} |"]
     origin = opt.base_ckpt or f"{opt.preset} trained {opt.base_iters} steps"
     report = (f"Quality: base {origin} on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
-              f"(lr {opt.ft_lr}), QAD kd_ratio {opt.qad_kd_ratio}; student {opt.student_preset} {opt.kd_iters} steps, "
+              f"(lr {opt.ft_lr}), QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)}, teacher {opt.qad_teacher}; "
+              f"settings: quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
+              f"student {opt.student_preset} {opt.kd_iters} steps, "
               f"kd_ratio {opt.kd_ratio}; batch {opt.batch_size} x {opt.block_size}, {opt.dtype}, {opt.seeds} seed(s); "
               f"whole-val-split perplexities, mean ± std over seeds; {time.perf_counter() - t_start:.0f} s\n\n"
               + "\n".join(table) + "\n\n" + "\n".join(notes) + "\n")
-    write(opt, "quality", report, results)
+    write(opt, "quality" + quant_name + qat_name + qad_name, report, results)
 
 
 # -----------------------------------------------------------------------------
@@ -573,6 +616,17 @@ if __name__ == "__main__":
     p.add_argument("--ft_iters", type=int, default=100)
     p.add_argument("--ft_lr", type=float, default=3e-4)
     p.add_argument("--qad_kd_ratio", type=float, default=0.5, help="QAD's kd_ratio (kd_train's default)")
+    p.add_argument("--qad_teacher", choices=("base", "plain"), default="base",
+                   help="QAD's teacher: the base model, or the same seed's plain full-precision finetune")
+    p.add_argument("--methods", default="qat,qad", help="quality: the quantization-aware finetunes to run")
+    p.add_argument("--quant_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a quantization setting for PTQ, QAT and QAD alike, e.g. \"quant_skip=('output',)\"; repeatable")
+    p.add_argument("--qat_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a qat_train.py setting for the QAT runs alone, e.g. learning_rate=1e-3 (with min_lr=1e-4: "
+                        "the finetunes' min_lr is ft_lr / 10); repeatable")
+    p.add_argument("--qad_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a kd_train.py setting for the QAD runs alone, e.g. kd_temperature=2.0 or kd_divergence=jsd; "
+                        "repeatable. Runs whose arguments match a finished run in out_dir are reused")
     p.add_argument("--student_preset", default="tiny-student")
     p.add_argument("--kd_iters", type=int, default=300, help="0 skips the KD comparison")
     p.add_argument("--kd_lr", type=float, default=2e-3)
