@@ -255,11 +255,12 @@ def quality(opt):
                                    os.path.join(out, f"s{seed}_ptq_{s}{quant_name}"), opt.nproc))
             r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"]}
             if "qat" in methods:
-                qat = summary(run_once("qat_train.py", {**ft, **q, "seed": seed, **qat_set},
+                qat = summary(run_once("qat_train.py", {**ft, **q, "seed": seed, "range_learning": bool(opt.range_learning), **qat_set},
                                        os.path.join(out, f"s{seed}_qat_{s}{quant_name}{qat_name}"), opt.nproc, quiet=False))
                 r.update(qat=qat["quant_val_loss"], fp_qat=qat["fp_val_loss"])
             if "qad" in methods:
-                qad = summary(run_once("kd_train.py", {**ft, **q, "seed": seed, "kd_ratio": opt.qad_kd_ratio, **qad_set,
+                qad = summary(run_once("kd_train.py", {**ft, **q, "seed": seed, "kd_ratio": opt.qad_kd_ratio, "kd_temperature":
+                                                       opt.qad_kd_temperature, "range_learning": bool(opt.range_learning), **qad_set,
                                                        "teacher_init": teacher},
                                        os.path.join(out, f"s{seed}_qad_{s}{quant_name}{qad_name}"), opt.nproc, quiet=False))
                 r.update(qad=qad["quant_val_loss"], fp_qad=qad["fp_val_loss"])
@@ -270,8 +271,11 @@ def quality(opt):
         kd_common = {**common, "teacher_init": base_ckpt, "init_from": "scratch", "preset": opt.student_preset,
                      "max_iters": opt.kd_iters, "learning_rate": opt.kd_lr, "min_lr": opt.kd_lr / 10,
                      "warmup_iters": max(1, opt.kd_iters // 10), "seed": seed}
-        ce = summary(run("kd_train.py", {**kd_common, "kd_ratio": 0.0}, os.path.join(out, f"s{seed}_student_ce"), opt.nproc, quiet=False))
-        kd = summary(run("kd_train.py", {**kd_common, "kd_ratio": opt.kd_ratio}, os.path.join(out, f"s{seed}_student_kd"), opt.nproc, quiet=False))
+        ce = summary(run_once("kd_train.py", {**kd_common, "kd_ratio": 0.0}, os.path.join(out, f"s{seed}_student_ce"), opt.nproc, quiet=False))
+        kd = summary(run_once("kd_train.py", {**kd_common, "kd_ratio": opt.kd_ratio, "kd_divergence": opt.kd_divergence,
+                                              "kd_temperature": opt.kd_temperature},
+                              os.path.join(out, f"s{seed}_student_kd_{opt.kd_ratio}_{opt.kd_divergence}_{opt.kd_temperature}"),
+                              opt.nproc, quiet=False))
         kd_runs.append({"ce": ce["fp_val_loss"], "kd": kd["fp_val_loss"]})
         print(f"  student val loss: CE only {ce['fp_val_loss']:.4f}  KD {kd['fp_val_loss']:.4f}  teacher {teacher_loss:.4f}")
 
@@ -307,10 +311,11 @@ def quality(opt):
                   f"| {opt.student_preset} | {ms(ce)} | {ms(kd)} | {teacher_loss:.3f} | {pm(closed)} |"]
     origin = opt.base_ckpt or f"{opt.preset} trained {opt.base_iters} steps"
     report = (f"Quality: base {origin} on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
-              f"(lr {opt.ft_lr}), QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)}, teacher {opt.qad_teacher}; "
+              f"(lr {opt.ft_lr}, range_learning {bool(opt.range_learning)}), QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
+              f"at T={qad_set.get('kd_temperature', opt.qad_kd_temperature)}, teacher {opt.qad_teacher}; "
               f"settings: quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
               f"student {opt.student_preset} {opt.kd_iters} steps, "
-              f"kd_ratio {opt.kd_ratio}; batch {opt.batch_size} x {opt.block_size}, {opt.dtype}, {opt.seeds} seed(s); "
+              f"kd_ratio {opt.kd_ratio}, {opt.kd_divergence} at T={opt.kd_temperature}; batch {opt.batch_size} x {opt.block_size}, {opt.dtype}, {opt.seeds} seed(s); "
               f"whole-val-split perplexities, mean ± std over seeds; {time.perf_counter() - t_start:.0f} s\n\n"
               + "\n".join(table) + "\n\n" + "\n".join(notes) + "\n")
     write(opt, "quality" + quant_name + qat_name + qad_name, report, results)
@@ -615,7 +620,11 @@ if __name__ == "__main__":
     p.add_argument("--base_lr", type=float, default=2e-3)
     p.add_argument("--ft_iters", type=int, default=100)
     p.add_argument("--ft_lr", type=float, default=3e-4)
-    p.add_argument("--qad_kd_ratio", type=float, default=0.5, help="QAD's kd_ratio (kd_train's default)")
+    # the defaults that won on both seeds and both base sizes (README, "Quality")
+    p.add_argument("--qad_kd_ratio", type=float, default=0.5, help="QAD's kd_ratio")
+    p.add_argument("--qad_kd_temperature", type=float, default=2.0, help="QAD's kd_temperature")
+    p.add_argument("--range_learning", type=int, default=0,
+                   help="1: QAT and QAD learn the weight scales (range_learning; it helped at 2 bits and hurt QAT at 4)")
     p.add_argument("--qad_teacher", choices=("base", "plain"), default="base",
                    help="QAD's teacher: the base model, or the same seed's plain full-precision finetune")
     p.add_argument("--methods", default="qat,qad", help="quality: the quantization-aware finetunes to run")
@@ -630,7 +639,7 @@ if __name__ == "__main__":
     p.add_argument("--student_preset", default="tiny-student")
     p.add_argument("--kd_iters", type=int, default=300, help="0 skips the KD comparison")
     p.add_argument("--kd_lr", type=float, default=2e-3)
-    p.add_argument("--kd_ratio", type=float, default=0.5)
+    p.add_argument("--kd_ratio", type=float, default=0.9, help="the KD student's kd_ratio (0.9 closed the most of its gap)")
     p.add_argument("--qat_dir", help="deploy: a finished qat_train.py run to measure; default: train --preset for --base_iters")
     p.add_argument("--new_tokens", type=int, default=200, help="deploy: tokens decoded per timing")
     p.add_argument("--prompt_tokens", type=int, default=16)
