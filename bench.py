@@ -241,6 +241,8 @@ def quality(opt):
     qat_set, qat_name = settings(opt.qat_set)
     qad_set, qad_name = settings(opt.qad_set + [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base"))
     methods = opt.methods.split(",")
+    if unknown := set(methods) - {"qat", "qad", "none"}:
+        sys.exit(f"bench: --methods {opt.methods!r} names {sorted(unknown)}; use qat, qad, both (qat,qad) or none")
     schemes = opt.schemes.split(",")
     runs = {s: [] for s in schemes}  # per scheme, one dict of perplexities per seed
     kd_runs = []  # per seed, the student's val loss trained with CE alone and with KD
@@ -627,7 +629,7 @@ if __name__ == "__main__":
                    help="1: QAT and QAD learn the weight scales (range_learning; it helped at 2 bits and hurt QAT at 4)")
     p.add_argument("--qad_teacher", choices=("base", "plain"), default="base",
                    help="QAD's teacher: the base model, or the same seed's plain full-precision finetune")
-    p.add_argument("--methods", default="qat,qad", help="quality: the quantization-aware finetunes to run")
+    p.add_argument("--methods", default="qat,qad", help="quality: the quantization-aware finetunes to run (qat, qad, or none)")
     p.add_argument("--quant_set", action="append", default=[], metavar="KEY=VALUE",
                    help="a quantization setting for PTQ, QAT and QAD alike, e.g. \"quant_skip=('output',)\"; repeatable")
     p.add_argument("--qat_set", action="append", default=[], metavar="KEY=VALUE",
