@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from model import LORA_TARGETS, ModelArgs, Transformer, adapter_state_dict, merge_lora
+from model import LORA_TARGETS, ModelArgs, Transformer, adapter_state_dict, merge_lora, weights_only
 
 # Meta module name -> Hugging Face module name; {} is the layer number
 HF_NAMES = {
@@ -227,7 +227,7 @@ def _load_nanotune(file):
         raise ValueError(NOT_A_CHECKPOINT.format(file))
     # scales learned by range_learning are training state, which the scripts take from the file
     # themselves: the model is its weights
-    return ModelArgs.from_dict(ckpt["model_args"]), {k: v for k, v in ckpt["model"].items() if ".weight_fake_quantizer." not in k}
+    return ModelArgs.from_dict(ckpt["model_args"]), weights_only(ckpt["model"])
 
 
 def _load_meta(path, weights=True):

@@ -70,7 +70,8 @@ from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_execut
                         load_sharded_checkpoint, save_adapter, save_training_checkpoint, sharded_dir, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
-                   flops_per_token, fuse_fake_quant, initial_scales, learn_scales, mark_only_lora_trainable, merge_lora, peak_flops, to_lora_keys)
+                   flops_per_token, fuse_fake_quant, initial_scales, learn_scales, mark_only_lora_trainable, merge_lora, peak_flops, to_lora_keys,
+                   weights_only)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -733,9 +734,9 @@ def evaluate(m, full=False, it=0, alone=False):
     return total / max(count, 1)
 
 
-def full_state_dict(m, to_cpu=True):
-    # a collective: every rank calls it; with to_cpu only rank 0 ends up with the tensors
-    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=to_cpu))
+def full_state_dict(m):
+    # a collective: every rank calls it; only rank 0 ends up with the tensors, on the CPU
+    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def save_checkpoint():
@@ -974,7 +975,7 @@ del optimizer, params, decayed  # make room: rank 0 gathers the whole student
 state = full_state_dict(model)  # rank 0 alone ends up with it, in host memory
 merged_args = ModelArgs(**{**vars(model_args), "lora_rank": 0})
 if master_process:
-    cpu_state = {k: v.cpu() for k, v in state.items() if not k.endswith("learned_scale")}  # the weights alone
+    cpu_state = {k: v.cpu() for k, v in weights_only(state).items()}
     merged = merge_lora(cpu_state, model_args) if lora_rank else cpu_state
     if lora_rank:
         save_adapter(adapter_state_dict(cpu_state), model_args, os.path.join(out_dir, "adapter"))
@@ -1007,7 +1008,7 @@ if quant_bits is not None:
                 quantize_model(qmodel, "prepare")
                 if range_learning:
                     learn_scales(qmodel)
-        state = {k: v.to(ptdtype) for k, v in state.items() if qad_trained and range_learning or not k.endswith("learned_scale")}
+        state = {k: v.to(ptdtype) for k, v in (state if qad_trained and range_learning else weights_only(state)).items()}
         qmodel.load_state_dict(state, assign=True)
         del state
         convert_on_device(qmodel.requires_grad_(False), qad_trained)

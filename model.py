@@ -581,6 +581,12 @@ def learn_scales(m):
             mod.weight_fake_quantizer = learned
 
 
+def weights_only(state):
+    """state without the LearnedScaleFakeQuantizer scales: those are training state, which
+    checkpoints keep; the model itself is its weights."""
+    return {k: v for k, v in state.items() if not k.endswith(".learned_scale")}
+
+
 @torch.no_grad()
 def initial_scales(m, state):
     """{name: scales} for each LearnedScaleFakeQuantizer of m, computed from the weights in the

@@ -48,7 +48,7 @@ from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_execut
                         load_sharded_checkpoint, save_training_checkpoint, sharded_dir, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
-                   initial_scales, learn_scales, merge_lora, peak_flops)
+                   initial_scales, learn_scales, merge_lora, peak_flops, weights_only)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -493,9 +493,9 @@ def evaluate(m, full=False, it=0, alone=False):
     return total / max(count, 1)
 
 
-def full_state_dict(m, to_cpu=True):
-    # a collective: every rank calls it; with to_cpu only rank 0 ends up with the tensors
-    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=to_cpu))
+def full_state_dict(m):
+    # a collective: every rank calls it; only rank 0 ends up with the tensors, on the CPU
+    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 # Conversion runs on rank 0 alone: torchao's quantized tensors are not shardable by FSDP, and a
@@ -529,7 +529,7 @@ def convert_and_evaluate(state, after_qat):
                 if range_learning:
                     learn_scales(qm)
         if not (after_qat and range_learning):
-            state = {k: v for k, v in state.items() if not k.endswith("learned_scale")}
+            state = weights_only(state)
         qm.load_state_dict(state, assign=True)
         convert_on_device(qm.requires_grad_(False), after_qat)
         result = [evaluate(qm, full=True, alone=True)]
@@ -681,8 +681,7 @@ set_fake_quant(model, False)
 fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss), "quant_val_loss": None}
 if export_format in ("hf", "meta"):  # the trained full-precision weights, for tools that quantize on their own
-    fp_state = full_state_dict(model)  # a collective; rank 0 ends up with the weights, on the CPU
-    fp_state = {k: v for k, v in fp_state.items() if not k.endswith("learned_scale")}  # the weights alone
+    fp_state = weights_only(full_state_dict(model))  # a collective; rank 0 ends up with the weights, on the CPU
     if master_process:
         export_dir = os.path.join(out_dir, f"export_{export_format}")
         tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
