@@ -630,18 +630,79 @@ def divergence(s_logp, t_logp):
     return jsd / (b * (1 - b))
 
 
+class StudentLogProbs(torch.autograd.Function):
+    """The student's log-probabilities that the losses read, from its fp32 logits z (N, V): at the
+    labels y (N,), over all V rows, for the CE (0 where y is ignored); and at temperature T over
+    the tokenizer's n_vocab rows, either all of them (ids None: online KD) or coarse-grained onto
+    the stored teacher's k + 1 buckets (ids (N, k): its top k tokens, then the rest of the mass).
+
+    Only the point is speed: autograd through log_softmax, the division by T, gather and nll_loss
+    passes over (N, V) five times in backward (a zero-filled buffer for each gather, the division,
+    the sum), which costs a stored-top-k step more than the CE it adds to. Here the gradient is
+    written in one pass (two at T != 1 or with padding rows), from d log S_j / d z_v =
+    [v in bucket j] p_v / S_j - p_v with S_j a bucket's mass: the top k's entries are
+    g_v - p_v * sum(g), the rest's p_v * (g_rest / S_rest - sum(g)), and the label's g_y (1 - p_y)."""
+
+    @staticmethod
+    def forward(ctx, z, y, ids, temperature):
+        lp = F.log_softmax(z, -1)  # the CE's, over every row
+        shared = temperature == 1 and z.shape[1] == n_vocab
+        lpt = lp if shared else F.log_softmax(z[:, :n_vocab] / temperature, -1)
+        keep = y != IGNORE_INDEX
+        y = torch.where(keep, y, 0)
+        label = torch.where(keep, lp.gather(1, y[:, None]).squeeze(1), 0.0)
+        top = rest = rest_live = None
+        if ids is None:
+            out = lpt
+        else:
+            out = top = lpt.gather(1, ids)  # (N, k)
+            if ids.shape[1] < n_vocab:
+                # the rest is 1 - sum(top k), floored at float32's epsilon (0 * log 0 would be NaN):
+                # log(-expm1(log sum)), exact down to the floor; a floored row takes no gradient
+                lse, cap = top.logsumexp(-1), math.log1p(-torch.finfo(torch.float32).eps)
+                rest, rest_live = torch.log(-torch.expm1(lse.clamp(max=cap))), lse <= cap
+                out = torch.cat((top, rest[:, None]), 1)
+        ctx.save_for_backward(lp, None if shared else lpt, y, keep, ids, top, rest, rest_live)
+        ctx.temperature, ctx.shared = temperature, shared
+        return out, label
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g, g_label):
+        lp, lpt, y, keep, ids, top, rest, rest_live = ctx.saved_tensors
+        T = ctx.temperature
+        g_label = g_label * keep
+        if ids is None:
+            per_row = -g.sum(1)
+        else:
+            k = ids.shape[1]
+            g_rest = g[:, k] * rest_live if rest is not None else torch.zeros_like(g[:, 0])  # a floored rest is a constant
+            w_rest = g_rest * torch.exp(-rest) if rest is not None else g_rest
+            per_row, at_ids = w_rest - g[:, :k].sum(1) - g_rest, g[:, :k] - top.exp() * w_rest[:, None]
+        if ctx.shared:  # one pass: p * (the KD's row factor - the CE's)
+            grad = lp.exp().mul_((per_row - g_label)[:, None])
+        else:
+            grad = lp.exp().mul_(-g_label[:, None])
+            grad[:, :n_vocab].addcmul_(lpt.exp(), (per_row / T)[:, None])
+        kd_part = grad[:, :n_vocab]  # a view: writes land in grad
+        if ids is None:
+            kd_part.add_(g, alpha=1 / T)
+        else:
+            kd_part.scatter_add_(1, ids, at_ids / T)
+        grad.scatter_add_(1, y[:, None], g_label[:, None])
+        return grad, None, None, None
+
+
 def chunk_losses(hs, ht, y):
     """Summed CE and KD over one chunk of tokens: hs (N, Cs), ht (N, Ct), y (N,)."""
     s_logits = model.output(hs).float()  # (N, V), fp32 for this chunk only
     with torch.no_grad():
         t_logits = teacher.output(ht).float()
-    keep = y != IGNORE_INDEX
-    ce = F.cross_entropy(s_logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
     # rows past the tokenizer's vocabulary are padding, not part of either distribution
-    s_logp = F.log_softmax(s_logits[:, :n_vocab] / kd_temperature, -1)
+    s_logp, label_logp = StudentLogProbs.apply(s_logits, y, None, kd_temperature)
     t_logp = F.log_softmax(t_logits[:, :n_vocab] / kd_temperature, -1)
-    kd = (divergence(s_logp, t_logp) * keep).sum() * kd_temperature ** 2
-    return ce, kd
+    kd = (divergence(s_logp, t_logp) * (y != IGNORE_INDEX)).sum() * kd_temperature ** 2
+    return -label_logp.sum(), kd
 
 
 def stored_chunk_losses(hs, t_ids, t_logp, y):
@@ -654,25 +715,15 @@ def stored_chunk_losses(hs, t_ids, t_logp, y):
     value (coarse-graining never increases an f-divergence), and k = vocabulary gives the full
     one. Renormalizing the top k instead would make the teacher look surer than it is and leave
     the student free to put any mass outside the top k."""
-    s_logits = model.output(hs).float()  # (N, V)
-    keep = y != IGNORE_INDEX
-    s_logp = F.log_softmax(s_logits[:, :n_vocab] / kd_temperature, -1)
-    if kd_temperature == 1 and s_logits.shape[1] == n_vocab:  # the CE's own log-probs: one softmax saved
-        ce = F.nll_loss(s_logp, y, ignore_index=IGNORE_INDEX, reduction="sum")
-    else:
-        ce = F.cross_entropy(s_logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
-    s_buckets = s_logp.gather(-1, t_ids)  # (N, k)
+    s_buckets, label_logp = StudentLogProbs.apply(model.output(hs).float(), y, t_ids, kd_temperature)
     if t_ids.shape[1] < n_vocab:
-        # each rest is 1 - sum(top k), floored at float32's epsilon: 0 * log 0 would be NaN, and float16
-        # rounding can take the teacher's stored sum past 1 (log_softmax below renormalizes the buckets).
-        # The student's as log(-expm1(log sum)): exact down to the floor, without a (N, V) pass
+        # the teacher's rest, floored like the student's; float16 rounding can take its stored sum
+        # past 1, and the log_softmax below renormalizes the buckets
         eps = torch.finfo(torch.float32).eps
-        s_rest = torch.log(-torch.expm1(s_buckets.logsumexp(-1, keepdim=True).clamp(max=math.log1p(-eps))))
-        t_rest = (1 - t_logp.exp().sum(-1, keepdim=True)).clamp(min=eps).log()
-        s_buckets, t_logp = torch.cat((s_buckets, s_rest), -1), torch.cat((t_logp, t_rest), -1)
+        t_logp = torch.cat((t_logp, (1 - t_logp.exp().sum(-1, keepdim=True)).clamp(min=eps).log()), -1)
     t_buckets = F.log_softmax(t_logp, -1)  # renormalized: float16 log-probs sum to 1 only within rounding
-    kd = (divergence(s_buckets, t_buckets) * keep).sum() * kd_temperature ** 2
-    return ce, kd
+    kd = (divergence(s_buckets, t_buckets) * (y != IGNORE_INDEX)).sum() * kd_temperature ** 2
+    return -label_logp.sum(), kd
 
 
 if compile:
