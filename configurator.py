@@ -174,6 +174,9 @@ def check_training(c, overridden, world_size):
         (quantizer == "4w-gpu" and c.get("range_learning"),
          "range_learning=True learns the scales of torchao's intN fake quantizers, which '4w-gpu' does not use; "
          "use an 'Nw' or '8daNw' quantizer"),
+        ("range_lr_ratio" in overridden and not (c.get("range_learning") and c["range_lr_ratio"] > 0),
+         f"range_lr_ratio={c.get('range_lr_ratio')} sets the learning rate of scales that only range_learning=True learns, "
+         f"as a positive multiple of the weights'; set range_learning=True or drop it"),
         (quantizer == "4w-gpu" and (device != "cuda" or dtype != "bfloat16"),
          "quantizer='4w-gpu' converts to torchao's int4 CUDA kernels, which run in bfloat16 on a GPU only; "
          "set device='cuda' and dtype='bfloat16', or use '8da4w' on a CPU"),

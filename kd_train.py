@@ -120,6 +120,7 @@ fake_quant_after_n_steps = 0  # train in full precision until this step, then fa
 quantize_embedding = False  # also fake-quantize the token embedding (weight-only, same bits)
 quant_skip = ()  # modules left in full precision, by path, e.g. ('output', 'layers.0')
 range_learning = False  # learn each weight group's scale with the weights (as in qat_train.py)
+range_lr_ratio = 1.0  # the learned scales' learning rate, as a multiple of the weights'
 # data and batch
 batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
@@ -565,10 +566,13 @@ del init_state, teacher_state
 # optimizer: AdamW over the trainable parameters (the adapters alone with LoRA), decay on weight
 # matrices only (not on learned scales: it would shrink the grid)
 params = [p for p in model.parameters() if p.requires_grad]
-decayed = {p for n, p in model.named_parameters() if p.ndim >= 2 and not n.endswith("learned_scale")}
-optimizer = torch.optim.AdamW([{"params": [p for p in params if p in decayed], "weight_decay": weight_decay},
-                               {"params": [p for p in params if p not in decayed], "weight_decay": 0.0}],
-                              lr=learning_rate, betas=(beta1, beta2), fused=True)  # one kernel per step, on GPUs and CPUs alike
+scales = {p for n, p in model.named_parameters() if n.endswith("learned_scale")}
+decayed = {p for p in params if p.ndim >= 2 and p not in scales}
+groups = [{"params": [p for p in params if p in decayed], "weight_decay": weight_decay},
+          {"params": [p for p in params if p not in decayed | scales], "weight_decay": 0.0},
+          {"params": [p for p in params if p in scales], "weight_decay": 0.0, "lr_ratio": range_lr_ratio}]
+optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=learning_rate, betas=(beta1, beta2),
+                              fused=True)  # one kernel per step, on GPUs and CPUs alike
 iter_num = 0
 if sharded_from:  # every rank reads its own shards, with the optimizer's state
     load_sharded_checkpoint(model, [optimizer], sharded_from)
@@ -960,7 +964,7 @@ with profiler as prof:
             log({"iter": iter_num, "event": "fake_quant_enabled"})
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_ratio", 1.0)
 
         batches = train_batches(iter_num)
         # normalize by the unmasked tokens of the whole step, over every micro-batch and rank, so
@@ -1022,7 +1026,7 @@ set_fake_quant(model, False)
 fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss),
            "teacher_val_loss": teacher_val_loss, "quant_val_loss": None}
-del optimizer, params, decayed  # make room: rank 0 gathers the whole student
+del optimizer, params, decayed, scales, groups  # make room: rank 0 gathers the whole student
 state = full_state_dict(model)  # rank 0 alone ends up with it, in host memory
 merged_args = ModelArgs(**{**vars(model_args), "lora_rank": 0})
 if master_process:

@@ -83,6 +83,7 @@ quant_skip = ()  # modules left in full precision, by path, e.g. ('output', 'lay
 # learn each weight group's scale with the weights (LSQ; torchao's range_learning), starting from
 # the scales plain QAT computes; the conversion then uses the learned ones
 range_learning = False
+range_lr_ratio = 1.0  # the learned scales' learning rate, as a multiple of the weights'
 # data and batch
 batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
@@ -422,15 +423,19 @@ del init_state
 # the grid). With optimizer_in_bwd, one AdamW per parameter, stepped by a hook as soon as its
 # gradient is reduced, so gradients never pile up
 params = [p for p in model.parameters() if p.requires_grad]
-decayed = {p for n, p in model.named_parameters() if p.ndim >= 2 and not n.endswith("learned_scale")}
+scales = {p for n, p in model.named_parameters() if n.endswith("learned_scale")}
+decayed = {p for p in params if p.ndim >= 2 and p not in scales}
+groups = [{"params": [p for p in params if p in decayed], "weight_decay": weight_decay},
+          {"params": [p for p in params if p not in decayed | scales], "weight_decay": 0.0},
+          {"params": [p for p in params if p in scales], "weight_decay": 0.0, "lr_ratio": range_lr_ratio}]
 opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=True)  # one kernel per step, on GPUs and CPUs alike
 if optimizer_in_bwd:
-    optimizers = [torch.optim.AdamW([p], weight_decay=weight_decay if p in decayed else 0.0, **opt_kw) for p in params]
-    for p, opt in zip(params, optimizers):
+    optimizers = [torch.optim.AdamW([{**g, "params": [p]}], **opt_kw) for g in groups for p in g["params"]]
+    for opt in optimizers:
+        p = opt.param_groups[0]["params"][0]
         p.register_post_accumulate_grad_hook(lambda p, opt=opt: (opt.step(), opt.zero_grad(set_to_none=True)))
 else:
-    optimizers = [torch.optim.AdamW([{"params": [p for p in params if p in decayed], "weight_decay": weight_decay},
-                                     {"params": [p for p in params if p not in decayed], "weight_decay": 0.0}], **opt_kw)]
+    optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **opt_kw)]
 
 iter_num = 0
 if sharded_from:  # every rank reads its own shards; the optimizer's state only to resume
@@ -622,7 +627,7 @@ with profiler as prof:
         lr = get_lr(iter_num)
         for opt in optimizers:
             for group in opt.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_ratio", 1.0)
 
         batches = train_batches(iter_num)
         # normalize by the unmasked tokens of the whole step, over every micro-batch and rank, so
@@ -697,7 +702,7 @@ if quant_bits is not None:
     # step, or (no step taken here) in the loaded checkpoint's
     qat_trained = fake_quant_on(iter_num - 1) if iter_num > start_iter else ckpt_fake_quant
     # make room first: rank 0 gathers the whole model (in the compute dtype) and converts it
-    del optimizers, params
+    del optimizers, params, decayed, scales, groups
     state = gathered_state()
     del model
     quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained)

@@ -210,12 +210,14 @@ def test_constants_are_not_settings():
 
 TRAINING = dict(quantizer="8da4w", dtype="float32", device="cpu", export_format="none", mixed_precision=False,
                 cpu_offload=False, activation_offloading=False, gradient_accumulation_steps=0, replicate_degree=1,
-                group_size=32, quantize_embedding=False, init_from="scratch", range_learning=False)
+                group_size=32, quantize_embedding=False, init_from="scratch", range_learning=False, range_lr_ratio=1.0)
 
 
 @pytest.mark.parametrize("settings, overridden, world_size, words", [
     (dict(quantizer="4w-gpu", range_learning=True), ["range_learning"], 1, "'4w-gpu' does not use"),
     (dict(quantizer="none", range_learning=True), ["range_learning"], 1, "range_learning only matter with a quantizer"),
+    (dict(range_lr_ratio=0.1), ["range_lr_ratio"], 1, "set range_learning=True or drop it"),
+    (dict(range_learning=True, range_lr_ratio=0.0), ["range_learning", "range_lr_ratio"], 1, "positive multiple"),
     (dict(quantizer="3bit"), [], 1, "quantizer='3bit' is unknown"),
     (dict(gradient_accumulation_steps=3), [], 2, "must be a multiple of the 2 processes"),
     (dict(replicate_degree=3), [], 4, "replicate_degree=3 must divide"),

@@ -21,7 +21,10 @@ from conftest import ROOT, command, make_data, read_log, run, script_env
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import load_adapter, load_checkpoint  # noqa: E402
-from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer  # noqa: E402
+from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer, initial_scales, learn_scales  # noqa: E402
+from torchao.quantization import quantize_  # noqa: E402
+from torchao.quantization.qat import QATConfig  # noqa: E402
+from test_qat_train import base_config, is_linear  # noqa: E402
 
 V = 256  # the data's vocabulary
 ENV = {"OMP_NUM_THREADS": "1"}  # the toy models are far slower with threads competing for 2 cores
@@ -457,16 +460,28 @@ def test_qad_learned_scales_resume_and_convert(setup, tmp_path):
     # the converted model equal the straight run's) and stay out of the student's model.pt
     common = dict(BASE, data_dir=setup["data"], init_from=setup["teacher"], teacher_init=setup["teacher"],
                   quantizer="8da2w", range_learning=True, max_iters=4, learning_rate=1e-3, kd_ratio=0.5)
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    straight, resumed, ratio = str(tmp_path / "straight"), str(tmp_path / "resumed"), str(tmp_path / "ratio")
     run_in_one_process([("kd_train.py", dict(common, out_dir=straight)),
                         ("kd_train.py", dict(common, out_dir=resumed, max_iters=2, lr_decay_iters=4)),
-                        ("kd_train.py", dict(common, out_dir=resumed, init_from="resume"))], tmp_path)
+                        ("kd_train.py", dict(common, out_dir=resumed, init_from="resume")),
+                        ("kd_train.py", dict(common, out_dir=ratio, max_iters=1, warmup_iters=0, weight_decay=0.0,
+                                             range_lr_ratio=0.01))], tmp_path)
     assert_resume_equals_straight_run(straight, resumed, "ckpt.pt")
     a, b = (read_log(d)[-1] for d in (straight, resumed))
     assert a["method"] == "qad" and a["quant_val_loss"] == pytest.approx(b["quant_val_loss"], rel=1e-6)
     ckpt = torch.load(os.path.join(straight, "ckpt.pt"), weights_only=True)["model"]
     assert "layers.0.attention.wq.weight_fake_quantizer.learned_scale" in ckpt
     assert not any(k.endswith("learned_scale") for k in weights(os.path.join(straight, "model.pt")))
+
+    # range_lr_ratio: AdamW's first step moves each scale by at most the learning rate times the ratio
+    fake = Transformer(load_model(setup["teacher"]).args)
+    quantize_(fake, QATConfig(base_config("8da2w", 32), step="prepare"), filter_fn=is_linear)
+    learn_scales(fake)
+    lr = train_lines(read_log(ratio))[0]["lr"]
+    end = torch.load(os.path.join(ratio, "ckpt.pt"), weights_only=True)["model"]
+    start = initial_scales(fake, weights(setup["teacher"]))
+    moved = max((end[k] - v).abs().max().item() for k, v in start.items())
+    assert moved == pytest.approx(0.01 * lr, rel=2e-2)  # float32 rounding of the scales
 
 
 ERRORS = {

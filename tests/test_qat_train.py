@@ -370,6 +370,24 @@ def test_range_learning_scales_survive_resume_and_conversion(train, data, tmp_pa
     assert summary(read_log(again))["quant_val_loss"] == pytest.approx(s["quant_val_loss"], rel=1e-6)
 
 
+def test_range_lr_ratio_scales_the_scales_first_step(train, data, tmp_path):
+    # AdamW's first step moves each parameter by the learning rate (sign of its gradient): the scales'
+    # largest move is the weights' learning rate times range_lr_ratio, while the weights move by the full rate
+    base = train()
+    start = torch.load(base / "ckpt.pt", weights_only=True)["model"]
+    out = tmp_path / "ratio"
+    run(SCRIPT, **{**FINETUNE, "quantizer": "8da2w", "range_learning": True, "range_lr_ratio": 0.01, "weight_decay": 0.0,
+                   "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"), "max_iters": 1, "warmup_iters": 0})
+    lr = records(read_log(out))[1]["lr"]
+    end = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+    fake = Transformer(ModelArgs.from_dict(torch.load(out / "ckpt.pt", weights_only=True)["model_args"]))
+    quantize_(fake, QATConfig(base_config("8da2w", 32), step="prepare"), filter_fn=is_linear)
+    learn_scales(fake)
+    moved = max((end[k] - v).abs().max().item() for k, v in initial_scales(fake, start).items())
+    assert moved == pytest.approx(0.01 * lr, rel=2e-2)  # float32 rounding of the scales
+    assert max((end[k] - start[k]).abs().max().item() for k in start if k.endswith("wq.weight")) == pytest.approx(lr, rel=1e-3)
+
+
 def test_ptq_of_plain_checkpoint(train, data, tmp_path):
     base = train()
     out = tmp_path / "ptq"
