@@ -279,6 +279,7 @@ class Transformer(nn.Module):
         self.output = linear(args, "output", args.dim, args.vocab_size)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.ce_chunk = ce_chunk  # one chunk's loss: a training script may torch.compile it
         # recomputed by init_weights, never saved: they are a function of the args
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -371,7 +372,7 @@ class Transformer(nn.Module):
         if targets is None:
             return self.output(h)
         chunk = loss_chunk or max(1, LOGITS_PER_CHUNK // self.args.vocab_size)  # tokens per chunk
-        loss = chunked_cross_entropy(h.flatten(0, 1), self.output, targets.flatten(), chunk)
+        loss = chunked_cross_entropy(h.flatten(0, 1), self.output, targets.flatten(), chunk, self.ce_chunk)
         if reduction == "sum":
             return loss
         return loss / (targets != IGNORE_INDEX).sum().clamp(min=1)
@@ -411,20 +412,21 @@ class Transformer(nn.Module):
         return tokens
 
 
-def _ce_chunk(h, output, targets):
-    logits = output(h).float()  # upcast one chunk at a time
+def ce_chunk(h, output, targets):
+    """Summed cross-entropy of output(h) against targets, the logits upcast to fp32."""
+    logits = output(h).float()
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def chunked_cross_entropy(h, output, targets, chunk=1024):
+def chunked_cross_entropy(h, output, targets, chunk=1024, loss=ce_chunk):
     """Summed cross-entropy of output(h) (N, V) against targets (N,), never holding more than
-    `chunk` rows of fp32 logits. With several chunks each is checkpointed: backward recomputes
-    its logits rather than keeping all of them alive."""
+    `chunk` rows of fp32 logits (`loss` computes one chunk's). With several chunks each is
+    checkpointed: backward recomputes its logits rather than keeping all of them alive."""
     if h.shape[0] <= chunk:
-        return _ce_chunk(h, output, targets)
+        return loss(h, output, targets)
     total = h.new_zeros((), dtype=torch.float32)
     for hc, tc in zip(h.split(chunk), targets.split(chunk)):
-        total = total + checkpoint(_ce_chunk, hc, output, tc, use_reentrant=False)
+        total = total + checkpoint(loss, hc, output, tc, use_reentrant=False)
     return total
 
 

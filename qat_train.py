@@ -108,7 +108,7 @@ optimizer_in_bwd = False  # step each parameter inside backward, freeing its gra
 device = "cpu"  # 'cpu' or 'cuda'
 dtype = "float32"  # 'float32' or 'bfloat16'
 mixed_precision = False  # with bfloat16: fp32 master weights and reductions, bf16 compute
-compile = False  # torch.compile each transformer block and the output head
+compile = False  # torch.compile each transformer block and the loss
 activation_checkpointing = 0  # recompute activations of every k-th block in backward (0: off)
 activation_offloading = False  # keep saved activations in pinned CPU memory (CUDA only)
 cpu_offload = False  # keep parameters, gradients and optimizer state on the CPU (CUDA only)
@@ -390,7 +390,7 @@ if compile:
     torch._dynamo.config.recompile_limit = 64
     for block in model.layers:
         block.compile()
-    model.output.compile()
+    model.ce_chunk = torch.compile(model.ce_chunk)  # the output layer, the fp32 upcast and the CE in one graph
 
 # FSDP2: one unit per block, the embedding its own; the root keeps the final norm and output,
 # which stay gathered through forward and backward, so the chunked loss can reuse them
