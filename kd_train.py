@@ -567,9 +567,8 @@ del init_state, teacher_state
 # matrices only (not on learned scales: it would shrink the grid)
 params = [p for p in model.parameters() if p.requires_grad]
 scales = {p for n, p in model.named_parameters() if n.endswith("learned_scale")}
-decayed = {p for p in params if p.ndim >= 2 and p not in scales}
-groups = [{"params": [p for p in params if p in decayed], "weight_decay": weight_decay},
-          {"params": [p for p in params if p not in decayed | scales], "weight_decay": 0.0},
+groups = [{"params": [p for p in params if p.ndim >= 2 and p not in scales], "weight_decay": weight_decay},
+          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
           {"params": [p for p in params if p in scales], "weight_decay": 0.0, "lr_ratio": range_lr_ratio}]
 optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=learning_rate, betas=(beta1, beta2),
                               fused=True)  # one kernel per step, on GPUs and CPUs alike
@@ -680,8 +679,10 @@ class StudentLogProbs(torch.autograd.Function):
             per_row = -g.sum(1)
         else:
             k = ids.shape[1]
-            g_rest = g[:, k] * rest_live if rest is not None else torch.zeros_like(g[:, 0])  # a floored rest is a constant
-            w_rest = g_rest * torch.exp(-rest) if rest is not None else g_rest
+            g_rest = w_rest = torch.zeros_like(g[:, 0])
+            if rest is not None:
+                g_rest = g[:, k] * rest_live  # a floored rest is a constant: no gradient
+                w_rest = g_rest * torch.exp(-rest)
             per_row, at_ids = w_rest - g[:, :k].sum(1) - g_rest, g[:, :k] - top.exp() * w_rest[:, None]
         if ctx.shared:  # one pass: p * (the KD's row factor - the CE's)
             grad = lp.exp().mul_((per_row - g_label)[:, None])
@@ -1026,7 +1027,7 @@ set_fake_quant(model, False)
 fp_val_loss = evaluate(model, full=True)
 summary = {"iter": iter_num, "fp_val_loss": fp_val_loss, "fp_ppl": math.exp(fp_val_loss),
            "teacher_val_loss": teacher_val_loss, "quant_val_loss": None}
-del optimizer, params, decayed, scales, groups  # make room: rank 0 gathers the whole student
+del optimizer, params, scales, groups  # make room: rank 0 gathers the whole student
 state = full_state_dict(model)  # rank 0 alone ends up with it, in host memory
 merged_args = ModelArgs(**{**vars(model_args), "lora_rank": 0})
 if master_process:

@@ -424,9 +424,8 @@ del init_state
 # gradient is reduced, so gradients never pile up
 params = [p for p in model.parameters() if p.requires_grad]
 scales = {p for n, p in model.named_parameters() if n.endswith("learned_scale")}
-decayed = {p for p in params if p.ndim >= 2 and p not in scales}
-groups = [{"params": [p for p in params if p in decayed], "weight_decay": weight_decay},
-          {"params": [p for p in params if p not in decayed | scales], "weight_decay": 0.0},
+groups = [{"params": [p for p in params if p.ndim >= 2 and p not in scales], "weight_decay": weight_decay},
+          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
           {"params": [p for p in params if p in scales], "weight_decay": 0.0, "lr_ratio": range_lr_ratio}]
 opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=True)  # one kernel per step, on GPUs and CPUs alike
 if optimizer_in_bwd:
@@ -702,7 +701,7 @@ if quant_bits is not None:
     # step, or (no step taken here) in the loaded checkpoint's
     qat_trained = fake_quant_on(iter_num - 1) if iter_num > start_iter else ckpt_fake_quant
     # make room first: rank 0 gathers the whole model (in the compute dtype) and converts it
-    del optimizers, params, decayed, scales, groups
+    del optimizers, params, scales, groups
     state = gathered_state()
     del model
     quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained)
