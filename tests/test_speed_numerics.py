@@ -1,8 +1,11 @@
 """model.fuse_fake_quant's fast fake quantizer against torchao's own: the same forward to the bit,
-the same gradients within float rounding, and one compiled graph per block."""
+the same gradients within float rounding, linears that read one input sharing its fake quant, and one
+compiled graph per block."""
 
 import copy
 import logging
+
+from torch.distributed._composable import checkpoint as activation_checkpoint
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ logging.getLogger("torchao").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from model import ModelArgs, TransformerBlock, fuse_fake_quant, rope_tables
+import model
+from model import ModelArgs, Transformer, TransformerBlock, fuse_fake_quant, rope_tables
 
 def prepared(dtype, config, embedding=False):
     torch.manual_seed(0)
@@ -68,3 +72,37 @@ def test_compiled_block_is_one_graph():
     cos, sin = rope_tables(args.dim // args.n_heads, 16, args.rope_theta)
     explained = torch._dynamo.explain(block)(torch.randn(2, 16, 64), cos, sin)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_linears_reading_one_input_share_its_fake_quant(recompute, monkeypatch):
+    # a Transformer fake-quantized by torchao against the fused one: wq, wk and wv (and w1, w3) see
+    # one input, fake-quantized once, with the same loss and gradients; with every block's
+    # activations recomputed in backward and the loss in chunks (recomputed too) as well
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    quantize_(ref, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int2, weight_granularity=PerGroup(32)),
+                             step="prepare"), filter_fn=lambda mod, path: isinstance(mod, nn.Linear))
+    fast = copy.deepcopy(ref)
+    fuse_fake_quant(fast)
+    if recompute:
+        for m in (ref, fast):
+            for block in m.layers:
+                activation_checkpoint(block)
+    calls = []
+    apply = model._FakeQuantize.apply
+    monkeypatch.setattr(model._FakeQuantize, "apply", lambda *a: calls.append(a[0].shape[-1]) or apply(*a))
+    tokens = torch.randint(64, (2, 16))
+    chunks = 4 if recompute else 1  # of the loss, each fake-quantizing its input and the output weight
+    losses = [m(tokens, tokens, loss_chunk=16 * 2 // chunks) for m in (ref, fast)]
+    calls.clear()  # per block 4 inputs fake-quantized (not 7) and 7 weights
+    fast(tokens, tokens, loss_chunk=16 * 2 // chunks)
+    assert len(calls) == 2 * (4 + 7) + 2 * chunks
+    assert torch.equal(losses[0], losses[1])
+    calls.clear()
+    losses[0].backward()
+    losses[1].backward()  # the recomputation of each block and chunk shares as its forward did
+    assert len(calls) == (2 * (4 + 7) + 2 * chunks if recompute else 0)
+    for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters()):
+        assert torch.allclose(p_ref.grad, p_fast.grad, rtol=2 ** -20, atol=2 ** -20 * p_ref.grad.abs().max().item()), name
