@@ -35,8 +35,8 @@ from torchao.quantization import PerGroup
 from torchao.quantization.granularity import PerToken
 from torchao.quantization.qat import IntxFakeQuantizeConfig
 from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
-from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH, _DTYPE_TO_QVALUE_BOUNDS, MappingType, choose_qparams_affine
-from torchao.quantization.utils import _get_per_token_block_size, get_group_qparams_symmetric
+from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH, _DTYPE_TO_QVALUE_BOUNDS
+from torchao.quantization.utils import get_group_qparams_symmetric
 
 IGNORE_INDEX = -100  # targets with this value take no part in the loss
 LOGITS_PER_CHUNK = 2 ** 25  # fp32 logits materialized at once by the chunked losses: 128 MiB
@@ -469,8 +469,10 @@ def peak_flops(device, dtype):
 
 # ---------------------------------------------------------------------------------------------
 # Fake quantization: torchao's fake quantizers (QATConfig "prepare") compute their scales and
-# zero points, then fake-quantize in a chain of elementwise ops; the same math in place on one
-# buffer makes a QAT step cost less over plain training.
+# zero points, then fake-quantize in a chain of elementwise ops. The same math with fewer passes
+# over memory (min and max together, the rest in place on one buffer, and one fake quant of an
+# input that several linears read) makes a QAT step cost less over plain training;
+# tests/test_speed_numerics.py holds it to torchao's output, bit for bit.
 
 def check_quantizable(args, group_size, quant_skip):
     """quant_skip's module paths normalized ('layers.0.' means 'layers.0'), once group_size is
@@ -486,16 +488,28 @@ def check_quantizable(args, group_size, quant_skip):
     return quant_skip
 
 
+def _qparams(x, qmin, qmax, eps, symmetric):
+    """torchao's choose_qparams_affine (int grid; symmetric with zero point 0, or asymmetric)
+    over the last dim of x, a token or a group, in x's dtype, finding min and max in one pass."""
+    lo, hi = torch.aminmax(x, dim=-1, keepdim=True)
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    eps = torch.finfo(x.dtype).smallest_normal if eps is None else eps
+    if symmetric:
+        scale = (torch.max(-lo, hi) / (float(qmax - qmin) / 2)).clamp(min=eps)
+        return scale, torch.zeros_like(scale)
+    scale = ((hi - lo) / float(qmax - qmin)).clamp(min=eps)
+    return scale, (qmin - torch.round(lo / scale)).clamp(qmin, qmax)
+
+
 class _FakeQuantize(torch.autograd.Function):
     # torchao's fake quantize (scale, round, shift, clamp, and back) in place on one buffer; the
     # gradient is straight-through except where the clamp held, as torchao's, and needs only that mask
     @staticmethod
     def forward(ctx, x, scale, zero_point, qmin, qmax):
         q = (x * (1.0 / scale)).round_().add_(zero_point)
-        keep = q >= qmin
-        keep &= q <= qmax
-        ctx.save_for_backward(keep)
-        return q.clamp_(qmin, qmax).to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
+        clamped = q.clamp(qmin, qmax)
+        ctx.save_for_backward(clamped == q)
+        return clamped.to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
 
     @staticmethod
     def backward(ctx, grad):
@@ -504,8 +518,8 @@ class _FakeQuantize(torch.autograd.Function):
 
 
 class FusedFakeQuantizer(IntxFakeQuantizer):
-    """torchao's per-token (asymmetric) and per-group (symmetric) fake quantizer, with the same
-    scales and zero points from torchao, fake-quantizing in fewer passes over memory. Linears that
+    """torchao's per-token (asymmetric) and per-group (symmetric) fake quantizer, computing the
+    same scales, zero points and values in fewer passes over memory. Linears that
     read one input (wq, wk and wv; w1 and w3) share its per-token fake quant: the latest result is
     reused for the same unchanged input tensor within one forward, or within one recomputation
     of a checkpointed block in backward (the graph task tells the two apart)."""
@@ -523,25 +537,14 @@ class FusedFakeQuantizer(IntxFakeQuantizer):
                 key = (x._version, torch.is_grad_enabled(), torch._C._current_graph_task_id(), cfg)
                 if (last := FusedFakeQuantizer._last) and last[0]() is x and last[1] == key and last[2]._version == last[3]:
                     return last[2]
-            scale, zero_point = choose_qparams_affine(x, MappingType.ASYMMETRIC, _get_per_token_block_size(x), cfg.dtype, qmin, qmax,
-                                                      eps=cfg.eps, scale_dtype=cfg.scale_precision, zero_point_dtype=cfg.zero_point_precision)
-            shape = (*x.shape[:-1], 1)
-            out = _FakeQuantize.apply(x, scale.view(shape), zero_point.view(shape), qmin, qmax)
+            scale, zero_point = _qparams(x, qmin, qmax, cfg.eps, symmetric=False)
+            out = _FakeQuantize.apply(x, scale.to(cfg.scale_precision), zero_point.to(cfg.zero_point_precision), qmin, qmax)
             if eager:
                 FusedFakeQuantizer._last = (weakref.ref(x), key, out, out._version)
             return out
-            scale, zero_point = choose_qparams_affine(x, MappingType.ASYMMETRIC, _get_per_token_block_size(x), cfg.dtype, qmin, qmax,
-                                                      eps=cfg.eps, scale_dtype=cfg.scale_precision, zero_point_dtype=cfg.zero_point_precision)
-            shape = (*x.shape[:-1], 1)
-            out = _FakeQuantize.apply(x, scale.view(shape), zero_point.view(shape), qmin, qmax)
-            if eager:
-                FusedFakeQuantizer._last = (weakref.ref(x), x._version, torch.is_grad_enabled(), cfg, weakref.ref(out), out._version)
-            return out
-        g = cfg.granularity.group_size
-        scale, zero_point = get_group_qparams_symmetric(x, _DTYPE_TO_BIT_WIDTH[cfg.dtype], g, cfg.scale_precision, eps=cfg.eps)
-        shape = (x.shape[0], x.shape[1] // g, 1)
-        fq = _FakeQuantize.apply(x.view(x.shape[0], -1, g), scale.view(shape), zero_point.to(cfg.zero_point_precision).view(shape), qmin, qmax)
-        return fq.view(x.shape)
+        groups = x.view(x.shape[0], -1, cfg.granularity.group_size)
+        scale, zero_point = _qparams(groups, qmin, qmax, cfg.eps, symmetric=True)
+        return _FakeQuantize.apply(groups, scale.to(cfg.scale_precision), zero_point.to(cfg.zero_point_precision), qmin, qmax).view(x.shape)
 
 
 def fuse_fake_quant(m):
