@@ -186,7 +186,8 @@ if kd_divergence not in ("fkl", "rkl", "skl", "jsd"):
 if kd_ratio > 1 or jsd_beta > 1:
     fail(f"kd_ratio={kd_ratio} and jsd_beta={jsd_beta} are weights: each must lie in [0, 1]")
 if lora_rank and quant_bits is not None:
-    fail("quantizer with lora_rank > 0 is not supported: fake quant would see the base weights but conversion the merged ones; use a full finetune (lora_rank=0) for QAD")
+    fail("quantizer with lora_rank > 0 is not supported: adapters trained over fake-quantized base weights won back less than a "
+         "full finetune, and nothing once merged and rounded (README, Quality); use lora_rank=0 for QAD")
 if save_adapter_only and not lora_rank:
     fail("save_adapter_only=True needs LoRA adapters; set lora_rank > 0")
 if lora_rank and init_from == "scratch":
