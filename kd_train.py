@@ -910,7 +910,11 @@ if topk_write:
 
 log_file = None
 if master_process:
-    log_file = open(os.path.join(out_dir, "log.jsonl"), "a+")
+    log_path = os.path.join(out_dir, "log.jsonl")
+    if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
+        os.replace(log_path, log_path + ".prev")
+        print(f"{log_path} held an earlier run's log: moved to log.jsonl.prev")
+    log_file = open(log_path, "a+")
     if init_from == "resume":  # the lines of steps after the checkpoint are about to be redone
         log_file.seek(0)
         records = [json.loads(line) for line in log_file]  # an event at the resumed step comes again

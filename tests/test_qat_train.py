@@ -414,6 +414,12 @@ def test_ptq_of_plain_checkpoint(train, data, tmp_path):
     assert s["quant_val_loss"] > s["fp_val_loss"]
     q = torch.load(out / "quantized.pt", weights_only=False)
     assert q["quantizer"] == "8da2w" and q["model"].keys() == weights(base).keys()
+    # a fresh run in the same out_dir starts a log of its own; the earlier one is set aside whole
+    r = run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"),
+                       "convert_only": True, "quantizer": "8da4w"})
+    assert "moved to log.jsonl.prev" in r.stdout
+    assert [x["quantizer"] for x in read_log(out) if "method" in x] == ["8da4w"]
+    assert read_log(out, "log.jsonl.prev") == log
 
 
 def test_ptq_baseline_before_qat_finetune(train, data, tmp_path):
