@@ -532,7 +532,9 @@ class FusedFakeQuantizer(IntxFakeQuantizer):
         cfg = self.config
         qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[cfg.dtype]
         if isinstance(cfg.granularity, PerToken):
-            eager = not torch.compiler.is_compiling()  # dynamo cannot trace the cache: compiled, each linear computes it
+            # dynamo cannot trace the cache (compiled, each linear computes its own), and an
+            # inference tensor has no version to key it on
+            eager = not torch.compiler.is_compiling() and not x.is_inference()
             if eager:
                 key = (x._version, torch.is_grad_enabled(), torch._C._current_graph_task_id(), cfg)
                 if (last := FusedFakeQuantizer._last) and last[0]() is x and last[1] == key and last[2]._version == last[3]:
