@@ -107,6 +107,7 @@ def run_once(script, args, out_dir, nproc=1, quiet=True):
                     print(f"  {script} {out_dir}: reused")
                     return records
     if os.path.exists(stamp):
+        print(f"  bench: {out_dir} holds a run of other arguments; it is rerun over (name the setting apart to keep both)")
         os.remove(stamp)
     records = run(script, args, out_dir, nproc, quiet)
     with open(stamp, "w") as f:
@@ -240,8 +241,9 @@ def quality(opt):
     ft = {**common, "init_from": base_ckpt, "max_iters": opt.ft_iters, "learning_rate": opt.ft_lr,
           "min_lr": opt.ft_lr / 10, "warmup_iters": max(1, opt.ft_iters // 10)}
     quant_set, quant_name = settings(opt.quant_set)
-    qat_set, qat_name = settings(opt.qat_set)
-    qad_set, qad_name = settings(opt.qad_set + [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base"))
+    learned = ["range_learning=True"] * bool(opt.range_learning)  # named, so that its runs never land on the others
+    qat_set, qat_name = settings(learned + opt.qat_set)
+    qad_set, qad_name = settings(learned + opt.qad_set + [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base"))
     methods = opt.methods.split(",")
     if unknown := set(methods) - {"qat", "qad", "none"}:
         sys.exit(f"bench: --methods {opt.methods!r} names {sorted(unknown)}; use qat, qad, both (qat,qad) or none")
@@ -259,12 +261,12 @@ def quality(opt):
                                    os.path.join(out, f"s{seed}_ptq_{s}{quant_name}"), opt.nproc))
             r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"]}
             if "qat" in methods:
-                qat = summary(run_once("qat_train.py", {**ft, **q, "seed": seed, "range_learning": bool(opt.range_learning), **qat_set},
+                qat = summary(run_once("qat_train.py", {**ft, **q, "seed": seed, **qat_set},
                                        os.path.join(out, f"s{seed}_qat_{s}{quant_name}{qat_name}"), opt.nproc, quiet=False))
                 r.update(qat=qat["quant_val_loss"], fp_qat=qat["fp_val_loss"])
             if "qad" in methods:
                 qad = summary(run_once("kd_train.py", {**ft, **q, "seed": seed, "kd_ratio": opt.qad_kd_ratio, "kd_temperature":
-                                                       opt.qad_kd_temperature, "range_learning": bool(opt.range_learning), **qad_set,
+                                                       opt.qad_kd_temperature, **qad_set,
                                                        "teacher_init": teacher},
                                        os.path.join(out, f"s{seed}_qad_{s}{quant_name}{qad_name}"), opt.nproc, quiet=False))
                 r.update(qad=qad["quant_val_loss"], fp_qad=qad["fp_val_loss"])

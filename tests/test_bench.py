@@ -54,6 +54,17 @@ def test_quality_report(tmp_path):
     ce, kd_loss = kd["runs"][0]["ce"], kd["runs"][0]["kd"]
     assert math.isclose(kd["gap_closed"][0], (ce - kd_loss) / (ce - kd["teacher_val_loss"]), rel_tol=1e-9)
     assert "| 8da2w g32 |" in (out / "quality.md").read_text()
+    # learned scales are a setting of their own: their runs land beside the others, which stay
+    q = out / "quality"
+    first = (q / "s0_qat_8da2w" / "log.jsonl").read_text()
+    bench("quality", "--data_dir", data, "--out_dir", str(out), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
+          "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "qat", "--range_learning", "1")
+    assert summary_of(q / "s0_qat_8da2w_range_learning=True")["method"] == "qat"
+    assert (q / "s0_qat_8da2w" / "log.jsonl").read_text() == first
+
+
+def summary_of(run_dir):
+    return [json.loads(line) for line in open(run_dir / "log.jsonl")][-1]
 
 
 def saved_bytes(args, dtype, qat=False, B=2, T=64):
