@@ -6,7 +6,7 @@ import math
 import subprocess
 import sys
 
-from conftest import ROOT, make_data, script_env
+from conftest import ROOT, make_data, read_log, script_env
 
 SMALL = ["--preset", "toy", "--batch_size", "4", "--block_size", "32"]
 
@@ -59,12 +59,8 @@ def test_quality_report(tmp_path):
     first = (q / "s0_qat_8da2w" / "log.jsonl").read_text()
     bench("quality", "--data_dir", data, "--out_dir", str(out), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
           "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "qat", "--range_learning", "1")
-    assert summary_of(q / "s0_qat_8da2w_range_learning=True")["method"] == "qat"
+    assert read_log(q / "s0_qat_8da2w_range_learning=True")[-1]["method"] == "qat"
     assert (q / "s0_qat_8da2w" / "log.jsonl").read_text() == first
-
-
-def summary_of(run_dir):
-    return [json.loads(line) for line in open(run_dir / "log.jsonl")][-1]
 
 
 def saved_bytes(args, dtype, qat=False, B=2, T=64):
