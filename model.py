@@ -19,7 +19,6 @@ import logging
 import math
 import re
 import time
-import weakref
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -175,6 +174,17 @@ def linear(args, name, in_features, out_features):
     return nn.Linear(in_features, out_features, bias=False)
 
 
+def project(x, *linears):
+    """[linear(x) for linear in linears]; when QAT fake-quantizes their input alike (per token,
+    as in wq, wk and wv, or w1 and w3), the fake quant of x is computed once for all of them."""
+    fqs = [getattr(lin, "activation_fake_quantizer", None) for lin in linears]
+    if not all(isinstance(fq, FusedFakeQuantizer) and fq.enabled and fq.config == fqs[0].config for fq in fqs):
+        return [lin(x) for lin in linears]
+    x = fqs[0](x)
+    return [F.linear(x, lin.weight if lin.weight_fake_quantizer is None else lin.weight_fake_quantizer(lin.weight), lin.bias)
+            for lin in linears]
+
+
 def rope_tables(head_dim, max_seq_len, theta, device=None, scaling=None):
     """cos and sin of each position's angles. scaling = (factor, low_freq_factor, high_freq_factor,
     original_max_seq_len) applies Llama 3.1's frequency scaling: wavelengths shorter than
@@ -215,9 +225,10 @@ class Attention(nn.Module):
         is plain causal attention. cache: a KVCache that x's keys and values are written into at
         positions start..start+T-1, and that attention then reads every key up to them from."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = project(x, self.wq, self.wk, self.wv)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin).type_as(v), apply_rope(k, cos, sin).type_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if cache is not None:
@@ -254,7 +265,8 @@ class FeedForward(nn.Module):
         self.w3 = linear(args, "w3", args.dim, args.hidden_dim)  # up
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = project(x, self.w1, self.w3)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -501,6 +513,18 @@ def _qparams(x, qmin, qmax, eps, symmetric):
     return scale, (qmin - torch.round(lo / scale)).clamp(qmin, qmax)
 
 
+@torch.library.custom_op("nanotune::nonzero", mutates_args=())
+def _nonzero(x: torch.Tensor) -> torch.Tensor:
+    # x != 0 by ATen, opaque to the compiler: Inductor's CPU kernels (torch 2.13) write a bool
+    # tensor ~10x slower than a float one, and slower than the whole fake quant around it
+    return x != 0
+
+
+@_nonzero.register_fake
+def _(x):
+    return torch.empty_like(x, dtype=torch.bool)
+
+
 class _FakeQuantize(torch.autograd.Function):
     # torchao's fake quantize (scale, round, shift, clamp, and back) in place on one buffer; the
     # gradient is straight-through except where the clamp held, as torchao's, and needs only that mask
@@ -508,7 +532,10 @@ class _FakeQuantize(torch.autograd.Function):
     def forward(ctx, x, scale, zero_point, qmin, qmax):
         q = (x * (1.0 / scale)).round_().add_(zero_point)
         clamped = q.clamp(qmin, qmax)
-        ctx.save_for_backward(clamped == q)
+        keep = clamped == q
+        if torch.compiler.is_compiling() and x.device.type == "cpu":
+            keep = _nonzero(keep.float())  # the compiled kernel writes floats, ATen makes them bools
+        ctx.save_for_backward(keep)
         return clamped.to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
 
     @staticmethod
@@ -519,12 +546,7 @@ class _FakeQuantize(torch.autograd.Function):
 
 class FusedFakeQuantizer(IntxFakeQuantizer):
     """torchao's per-token (asymmetric) and per-group (symmetric) fake quantizer, computing the
-    same scales, zero points and values in fewer passes over memory. Linears that
-    read one input (wq, wk and wv; w1 and w3) share its per-token fake quant: the latest result is
-    reused for the same unchanged input tensor within one forward, or within one recomputation
-    of a checkpointed block in backward (the graph task tells the two apart)."""
-
-    _last = None  # (input, held weakly; its version, grad mode, graph task, config; output, its version)
+    same scales, zero points and values in fewer passes over memory."""
 
     def forward(self, x):
         if not self.enabled:
@@ -532,18 +554,8 @@ class FusedFakeQuantizer(IntxFakeQuantizer):
         cfg = self.config
         qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[cfg.dtype]
         if isinstance(cfg.granularity, PerToken):
-            # dynamo cannot trace the cache (compiled, each linear computes its own), and an
-            # inference tensor has no version to key it on
-            eager = not torch.compiler.is_compiling() and not x.is_inference()
-            if eager:
-                key = (x._version, torch.is_grad_enabled(), torch._C._current_graph_task_id(), cfg)
-                if (last := FusedFakeQuantizer._last) and last[0]() is x and last[1] == key and last[2]._version == last[3]:
-                    return last[2]
             scale, zero_point = _qparams(x, qmin, qmax, cfg.eps, symmetric=False)
-            out = _FakeQuantize.apply(x, scale.to(cfg.scale_precision), zero_point.to(cfg.zero_point_precision), qmin, qmax)
-            if eager:
-                FusedFakeQuantizer._last = (weakref.ref(x), key, out, out._version)
-            return out
+            return _FakeQuantize.apply(x, scale.to(cfg.scale_precision), zero_point.to(cfg.zero_point_precision), qmin, qmax)
         groups = x.view(x.shape[0], -1, cfg.granularity.group_size)
         scale, zero_point = _qparams(groups, qmin, qmax, cfg.eps, symmetric=True)
         return _FakeQuantize.apply(groups, scale.to(cfg.scale_precision), zero_point.to(cfg.zero_point_precision), qmin, qmax).view(x.shape)

@@ -53,7 +53,7 @@ def test_fused_fake_quant_matches_torchao(dtype, scheme):
         assert torch.allclose(p_ref.grad, p_fast.grad, rtol=tol, atol=tol * p_ref.grad.abs().max().item()), name
         if dtype == torch.float32:  # the same clamped values pass no gradient (bf16 sums may round to 0 apart)
             assert torch.equal(p_ref.grad == 0, p_fast.grad == 0), name
-    with torch.inference_mode():  # inference tensors: no version counter to key the shared fake quant on
+    with torch.inference_mode():
         assert torch.equal(ref(tokens), fast(tokens))
     # fake quant off: the plain model
     for m in (ref, fast):
@@ -64,22 +64,38 @@ def test_fused_fake_quant_matches_torchao(dtype, scheme):
     assert torch.equal(ref(tokens), fast(tokens))
 
 
-def test_compiled_block_is_one_graph():
+def test_compiled_block_is_one_graph_and_computes_what_eager_does():
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
+    torch.manual_seed(0)
     block = TransformerBlock(args)
-    quantize_(block, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)),
+    quantize_(block, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int2, weight_granularity=PerGroup(32)),
                                step="prepare"), filter_fn=lambda mod, path: isinstance(mod, nn.Linear))
     fuse_fake_quant(block)
     cos, sin = rope_tables(args.dim // args.n_heads, 16, args.rope_theta)
-    explained = torch._dynamo.explain(block)(torch.randn(2, 16, 64), cos, sin)
+    x = torch.randn(2, 16, 64)
+    explained = torch._dynamo.explain(block)(x, cos, sin)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    # compiled too, wq, wk, wv (and w1, w3) share their input's fake quant: 4 inputs and 7 weights
+    ranges = [n for n in explained.graphs[0].graph.nodes if n.op == "call_function" and n.target is torch.aminmax]
+    assert len(ranges) == 4 + 7
+    # the same output and gradients, the clamp masks included (on CPU the compiled graph hands
+    # them to ATen to store): a wrong mask would pass or stop the gradient of whole weights
+    compiled = copy.deepcopy(block)
+    compiled.compile()
+    grad = torch.randn(2, 16, 64)
+    for m in (block, compiled):
+        m(x, cos, sin).backward(grad)
+    for (name, p), p_compiled in zip(block.named_parameters(), compiled.parameters()):
+        assert torch.allclose(p.grad, p_compiled.grad, rtol=1e-4, atol=1e-4 * p.grad.abs().max().item()), name
+        stopped = (p.grad == 0).sum()  # in each 2-bit weight, where a group's largest positive value clamps
+        assert (p_compiled.grad == 0).sum() == stopped and (stopped > 0 or "norm" in name), name
 
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_linears_reading_one_input_share_its_fake_quant(recompute, monkeypatch):
     # a Transformer fake-quantized by torchao against the fused one: wq, wk and wv (and w1, w3) see
-    # one input, fake-quantized once, with the same loss and gradients; with every block's
-    # activations recomputed in backward and the loss in chunks (recomputed too) as well
+    # one input, fake-quantized once (model.project), with the same loss and gradients; with every
+    # block's activations recomputed in backward and the loss in chunks (recomputed too) as well
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
     torch.manual_seed(0)
     ref = Transformer(args)
