@@ -513,14 +513,14 @@ def _qparams(x, qmin, qmax, eps, symmetric):
     return scale, (qmin - torch.round(lo / scale)).clamp(qmin, qmax)
 
 
-@torch.library.custom_op("nanotune::nonzero", mutates_args=())
-def _nonzero(x: torch.Tensor) -> torch.Tensor:
-    # x != 0 by ATen, opaque to the compiler: Inductor's CPU kernels (torch 2.13) write a bool
+@torch.library.custom_op("nanotune::to_bool", mutates_args=())
+def _to_bool(x: torch.Tensor) -> torch.Tensor:
+    # x as bool by ATen, opaque to the compiler: Inductor's CPU kernels (torch 2.13) write a bool
     # tensor ~10x slower than a float one, and slower than the whole fake quant around it
-    return x != 0
+    return x.bool()
 
 
-@_nonzero.register_fake
+@_to_bool.register_fake
 def _(x):
     return torch.empty_like(x, dtype=torch.bool)
 
@@ -534,7 +534,7 @@ class _FakeQuantize(torch.autograd.Function):
         clamped = q.clamp(qmin, qmax)
         keep = clamped == q
         if torch.compiler.is_compiling() and x.device.type == "cpu":
-            keep = _nonzero(keep.float())  # the compiled kernel writes floats, ATen makes them bools
+            keep = _to_bool(keep.float())  # the compiled kernel writes floats, ATen makes them bools
         ctx.save_for_backward(keep)
         return clamped.to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
 
