@@ -502,9 +502,11 @@ def check_quantizable(args, group_size, quant_skip):
 
 def _qparams(x, qmin, qmax, eps, symmetric):
     """torchao's choose_qparams_affine (int grid; symmetric with zero point 0, or asymmetric)
-    over the last dim of x, a token or a group, in x's dtype, finding min and max in one pass."""
-    lo, hi = torch.aminmax(x, dim=-1, keepdim=True)
-    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    over the last dim of x, a token or a group, in x's dtype. Min and max are found in fp32 (exact
+    for bf16 values): ATen's bf16 reductions over short groups, and its torch.aminmax in any dtype,
+    are several times slower than amin and amax over fp32."""
+    xf = x.float()
+    lo, hi = xf.amin(-1, keepdim=True).to(x.dtype).clamp(max=0), xf.amax(-1, keepdim=True).to(x.dtype).clamp(min=0)
     eps = torch.finfo(x.dtype).smallest_normal if eps is None else eps
     if symmetric:
         scale = (torch.max(-lo, hi) / (float(qmax - qmin) / 2)).clamp(min=eps)
