@@ -309,6 +309,12 @@ def quality(opt):
         if len(deg) > 1 and statistics.mean(deg) <= 2 * statistics.stdev(deg):
             notes.append(f"- {s}: PTQ's degradation ({100 * statistics.mean(deg):.2f}%) is within twice its seed "
                          f"spread: recovery is noise at this size")
+        # the reference must be a finetune that helped: one that ends worse than the base it started
+        # from (lr too high for this base) credits every method with undoing that damage
+        if col["fp"] and min(col["fp"]) > math.exp(teacher_loss):
+            notes.append(f"- {s}: every plain finetune ends worse than the base (ppl {statistics.mean(col['fp']):.3f} against "
+                         f"{math.exp(teacher_loss):.3f}): lr {opt.ft_lr} undoes some of the base's training, and the "
+                         f"recoveries count winning that back; measure again with a lower --ft_lr")
     if kd_runs:
         ce, kd = [r["ce"] for r in kd_runs], [r["kd"] for r in kd_runs]
         closed = [(c - k) / (c - teacher_loss) for c, k in zip(ce, kd)]
