@@ -311,9 +311,9 @@ def quality(opt):
                          f"spread: recovery is noise at this size")
         # the reference must be a finetune that helped: one that ends worse than the base it started
         # from (lr too high for this base) credits every method with undoing that damage
-        if col["fp"] and statistics.mean(col["fp"]) > math.exp(teacher_loss):
-            notes.append(f"- {s}: the plain finetunes end worse than the base (ppl {statistics.mean(col['fp']):.3f} against "
-                         f"{math.exp(teacher_loss):.3f}): lr {opt.ft_lr} undoes some of the base's training, and the "
+        if col["fp"] and (fp := statistics.mean(col["fp"])) > (base_ppl := math.exp(teacher_loss)):
+            notes.append(f"- {s}: the plain finetunes end worse than the base (ppl {fp:.3f} against "
+                         f"{base_ppl:.3f}): lr {opt.ft_lr} undoes some of the base's training, and the "
                          f"recoveries count winning that back; measure again with a lower --ft_lr")
     if kd_runs:
         ce, kd = [r["ce"] for r in kd_runs], [r["kd"] for r in kd_runs]
