@@ -528,22 +528,30 @@ def _(x):
 
 
 class _FakeQuantize(torch.autograd.Function):
-    # torchao's fake quantize (scale, round, shift, clamp, and back) in place on one buffer; the
-    # gradient is straight-through except where the clamp held, as torchao's, and needs only that mask
+    # torchao's fake quantize (scale, round, shift, clamp, and back) in the dtype torchao computes
+    # it in (x's, or the scale's if wider); the gradient is straight-through except where the clamp
+    # held, as torchao's, and needs only that mask
     @staticmethod
     def forward(ctx, x, scale, zero_point, qmin, qmax):
-        q = (x * (1.0 / scale)).round_().add_(zero_point)
+        q = x * (1.0 / scale)
+        zero_point = zero_point.to(q.dtype)  # integers, which q's dtype holds exactly: an add of one dtype is faster
+        q = q.round_().add_(zero_point)
         clamped = q.clamp(qmin, qmax)
-        keep = clamped == q
+        # where the clamp moved q the gradient stops: a nonzero difference, cast to bool (ATen writes
+        # a compare's bool result 2-3x slower than it casts floats to bools, on a CPU)
+        clipped = q.sub_(clamped)
         if torch.compiler.is_compiling() and x.device.type == "cpu":
-            keep = _to_bool(keep.float())  # the compiled kernel writes floats, ATen makes them bools
-        ctx.save_for_backward(keep)
+            clipped = _to_bool(clipped)  # the compiled kernel writes floats, ATen makes them bools
+        else:
+            clipped = clipped.bool()
+        ctx.save_for_backward(clipped)
         return clamped.to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
 
     @staticmethod
     def backward(ctx, grad):
-        keep, = ctx.saved_tensors
-        return grad * keep, None, None, None, None
+        clipped, = ctx.saved_tensors
+        # where, not grad * mask: a product first converts the bool mask to grad's dtype, a pass of its own
+        return torch.where(clipped, 0, grad), None, None, None, None
 
 
 class FusedFakeQuantizer(IntxFakeQuantizer):
@@ -555,12 +563,13 @@ class FusedFakeQuantizer(IntxFakeQuantizer):
             return x
         cfg = self.config
         qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[cfg.dtype]
-        if isinstance(cfg.granularity, PerToken):
-            scale, zero_point = _qparams(x, qmin, qmax, cfg.eps, symmetric=False)
-            return _FakeQuantize.apply(x, scale.to(cfg.scale_precision), zero_point.to(cfg.zero_point_precision), qmin, qmax)
-        groups = x.view(x.shape[0], -1, cfg.granularity.group_size)
-        scale, zero_point = _qparams(groups, qmin, qmax, cfg.eps, symmetric=True)
-        return _FakeQuantize.apply(groups, scale.to(cfg.scale_precision), zero_point.to(cfg.zero_point_precision), qmin, qmax).view(x.shape)
+        per_token = isinstance(cfg.granularity, PerToken)
+        v = x if per_token else x.view(x.shape[0], -1, cfg.granularity.group_size)  # rows: tokens, or groups
+        # no gradient flows back through the scales (none does in torchao): outside the autograd
+        # graph, they spare backward a chain of min, max and clamp nodes per quantizer
+        scale, zero_point = _qparams(v.detach(), qmin, qmax, cfg.eps, symmetric=not per_token)
+        return _FakeQuantize.apply(v, scale.to(cfg.scale_precision), zero_point.to(cfg.zero_point_precision),
+                                   qmin, qmax).view(x.shape)
 
 
 def fuse_fake_quant(m):
