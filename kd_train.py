@@ -648,25 +648,33 @@ class StudentLogProbs(torch.autograd.Function):
     labels y (N,), over all V rows, for the CE (0 where y is ignored); and at temperature T over
     the tokenizer's n_vocab rows, either all of them (ids None: online KD) or coarse-grained onto
     the stored teacher's k + 1 buckets (ids (N, k): its top k tokens, then the rest of the mass).
+    Online, given the teacher's log-probabilities at T (t_logp, (N, n_vocab)), it returns the
+    forward KL(teacher || student) of each row instead of the student's log-probabilities: the
+    default divergence, whose gradient then joins the same pass.
 
     Only the point is speed: autograd through log_softmax, the division by T, gather and nll_loss
     passes over (N, V) five times in backward (a zero-filled buffer for each gather, the division,
     the sum), which costs a stored-top-k step more than the CE it adds to. Here the gradient is
     written in one pass (two at T != 1 or with padding rows), from d log S_j / d z_v =
     [v in bucket j] p_v / S_j - p_v with S_j a bucket's mass: the top k's entries are
-    g_v - p_v * sum(g), the rest's p_v * (g_rest / S_rest - sum(g)), and the label's g_y (1 - p_y)."""
+    g_v - p_v * sum(g), the rest's p_v * (g_rest / S_rest - sum(g)), and the label's g_y (1 - p_y).
+    The forward KL's gradient in the student's log-probs is g_v = -t_v * g_row (t the teacher's
+    probabilities), and sum(g) = -g_row: through autograd it would take four more passes over (N, V)."""
 
     @staticmethod
-    def forward(ctx, z, y, ids, temperature):
+    def forward(ctx, z, y, ids, temperature, t_logp):
         lp = F.log_softmax(z, -1)  # the CE's, over every row
         shared = temperature == 1 and z.shape[1] == n_vocab
         lpt = lp if shared else F.log_softmax(z[:, :n_vocab] / temperature, -1)
         keep = y != IGNORE_INDEX
         y = torch.where(keep, y, 0)
         label = torch.where(keep, lp.gather(1, y[:, None]).squeeze(1), 0.0)
-        top = rest = rest_live = None
+        top = rest = rest_live = t_p = None
         if ids is None:
             out = lpt
+            if t_logp is not None:
+                t_p = t_logp.exp()
+                out = (t_logp - lpt).mul_(t_p).sum(-1)  # KL(teacher || student) per row
         else:
             out = top = lpt.gather(1, ids)  # (N, k)
             if ids.shape[1] < n_vocab:
@@ -675,17 +683,19 @@ class StudentLogProbs(torch.autograd.Function):
                 lse, cap = top.logsumexp(-1), math.log1p(-torch.finfo(torch.float32).eps)
                 rest, rest_live = torch.log(-torch.expm1(lse.clamp(max=cap))), lse <= cap
                 out = torch.cat((top, rest[:, None]), 1)
-        ctx.save_for_backward(lp, None if shared else lpt, y, keep, ids, top, rest, rest_live)
+        ctx.save_for_backward(lp, None if shared else lpt, y, keep, ids, top, rest, rest_live, t_p)
         ctx.temperature, ctx.shared = temperature, shared
         return out, label
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g, g_label):
-        lp, lpt, y, keep, ids, top, rest, rest_live = ctx.saved_tensors
+        lp, lpt, y, keep, ids, top, rest, rest_live, t_p = ctx.saved_tensors
         T = ctx.temperature
         g_label = g_label * keep
-        if ids is None:
+        if t_p is not None:
+            per_row = g  # the KL's row gradient; the teacher's probabilities sum to 1
+        elif ids is None:
             per_row = -g.sum(1)
         else:
             k = ids.shape[1]
@@ -700,23 +710,27 @@ class StudentLogProbs(torch.autograd.Function):
             grad = lp.exp().mul_(-g_label[:, None])
             grad[:, :n_vocab].addcmul_(lpt.exp(), (per_row / T)[:, None])
         kd_part = grad[:, :n_vocab]  # a view: writes land in grad
-        if ids is None:
+        if t_p is not None:
+            kd_part.addcmul_(t_p, g[:, None], value=-1 / T)
+        elif ids is None:
             kd_part.add_(g, alpha=1 / T)
         else:
             kd_part.scatter_add_(1, ids, at_ids / T)
         grad.scatter_add_(1, y[:, None], g_label[:, None])
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def chunk_losses(hs, ht, y):
     """Summed CE and KD over one chunk of tokens: hs (N, Cs), ht (N, Ct), y (N,)."""
     s_logits = model.output(hs).float()  # (N, V), fp32 for this chunk only
     with torch.no_grad():
-        t_logits = teacher.output(ht).float()
-    # rows past the tokenizer's vocabulary are padding, not part of either distribution
-    s_logp, label_logp = StudentLogProbs.apply(s_logits, y, None, kd_temperature)
-    t_logp = F.log_softmax(t_logits[:, :n_vocab] / kd_temperature, -1)
-    kd = (divergence(s_logp, t_logp) * (y != IGNORE_INDEX)).sum() * kd_temperature ** 2
+        # rows past the tokenizer's vocabulary are padding, not part of either distribution
+        t_logits = teacher.output(ht).float()[:, :n_vocab]
+        t_logp = F.log_softmax(t_logits if kd_temperature == 1 else t_logits / kd_temperature, -1)
+    # the forward KL (the JSD at beta 0 is one) comes out of StudentLogProbs; others through autograd
+    fkl = kd_divergence == "fkl" or kd_divergence == "jsd" and jsd_beta == 0.0
+    s_out, label_logp = StudentLogProbs.apply(s_logits, y, None, kd_temperature, t_logp if fkl else None)
+    kd = ((s_out if fkl else divergence(s_out, t_logp)) * (y != IGNORE_INDEX)).sum() * kd_temperature ** 2
     return -label_logp.sum(), kd
 
 
@@ -730,7 +744,7 @@ def stored_chunk_losses(hs, t_ids, t_logp, y):
     value (coarse-graining never increases an f-divergence), and k = vocabulary gives the full
     one. Renormalizing the top k instead would make the teacher look surer than it is and leave
     the student free to put any mass outside the top k."""
-    s_buckets, label_logp = StudentLogProbs.apply(model.output(hs).float(), y, t_ids, kd_temperature)
+    s_buckets, label_logp = StudentLogProbs.apply(model.output(hs).float(), y, t_ids, kd_temperature, None)
     if t_ids.shape[1] < n_vocab:
         # the teacher's rest, floored like the student's; float16 rounding can take its stored sum
         # past 1, and the log_softmax below renormalizes the buckets

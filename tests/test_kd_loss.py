@@ -1,7 +1,7 @@
 """kd_train.StudentLogProbs, the student's log-probs with a hand-written gradient, against autograd
 through log_softmax, gather and the CE in float64: every case the script can reach (online and
 stored, the rest bucket with and without its floor, k = vocabulary, T != 1, padding rows, ignored
-labels). The class is read out of kd_train.py's source: the script itself runs on import."""
+labels), and the forward KL it returns online when given the teacher's log-probs. The class is read out of kd_train.py's source: the script itself runs on import."""
 
 import ast
 import math
@@ -25,10 +25,13 @@ def student_log_probs(n_vocab):
     return scope["StudentLogProbs"]
 
 
-def reference(z, y, ids, T, n_vocab):
-    """What the script computed before: log_softmax, gather and a rest bucket, through autograd."""
+def reference(z, y, ids, T, n_vocab, t_logp=None):
+    """What the script computed before: log_softmax, gather and a rest bucket, and the forward KL
+    through autograd."""
     label = -F.cross_entropy(z, y, ignore_index=IGNORE_INDEX, reduction="none")
     lpt = F.log_softmax(z[:, :n_vocab] / T, -1)
+    if t_logp is not None:
+        return (t_logp.exp() * (t_logp - lpt)).sum(-1), label
     if ids is None:
         return lpt, label
     top = lpt.gather(1, ids)
@@ -39,8 +42,9 @@ def reference(z, y, ids, T, n_vocab):
     return torch.cat((top, rest), 1), label
 
 
-CASES = {  # name: (rows V, tokenizer's vocabulary, k or None for online, T)
+CASES = {  # name: (rows V, tokenizer's vocabulary, k or None for online, T); "fkl": the teacher's log-probs given
     "online": (64, 64, None, 1.0), "online-T2-padded": (72, 64, None, 2.0),
+    "online-fkl": (64, 64, None, 1.0), "online-fkl-T2-padded": (72, 64, None, 2.0),
     "top8": (64, 64, 8, 1.0), "top8-T2": (64, 64, 8, 2.0), "top8-padded": (72, 64, 8, 1.0),
     "top-all": (64, 64, 64, 1.0), "top-all-T0.5-padded": (72, 64, 64, 0.5),
 }
@@ -59,14 +63,15 @@ def test_gradient_equals_autograd(name):
     ids = None if k is None else torch.argsort(torch.randn(N, n_vocab, generator=gen), 1)[:, :k]
     if ids is not None:
         ids[0, 0] = 5
-    out_shape = (N, n_vocab if k is None else k + (k < n_vocab))
+    t_logp = F.log_softmax(torch.randn(N, n_vocab, generator=gen, dtype=torch.float64) * 2, -1) if "fkl" in name else None
+    out_shape = (N,) if t_logp is not None else (N, n_vocab if k is None else k + (k < n_vocab))
     g_out, g_label = torch.randn(out_shape, generator=gen, dtype=torch.float64), torch.randn(N, generator=gen, dtype=torch.float64)
     fn = student_log_probs(n_vocab)
     a = z.clone().requires_grad_()
-    out_a, label_a = fn.apply(a, y, ids, T)
+    out_a, label_a = fn.apply(a, y, ids, T, t_logp)
     ((out_a * g_out).sum() + (label_a * g_label).sum()).backward()
     b = z.clone().requires_grad_()
-    out_b, label_b = reference(b, y, ids, T, n_vocab)
+    out_b, label_b = reference(b, y, ids, T, n_vocab, t_logp)
     ((out_b * g_out).sum() + (label_b * g_label).sum()).backward()
     torch.testing.assert_close(out_a, out_b, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(label_a, label_b, rtol=1e-12, atol=1e-12)
