@@ -47,6 +47,8 @@ by each store relative to online KD. Speed rows from short interleaved runs: the
 """
 
 import argparse
+import contextlib
+import ctypes
 import json
 import math
 import os
@@ -146,6 +148,13 @@ def short_val_copy(data_dir, out, n_tokens):
 # -----------------------------------------------------------------------------
 def speed(opt):
     out = os.path.join(opt.out_dir, "speed")
+    if opt.device == "cpu" and sys.platform == "linux":
+        # freed host memory kept for reuse, as in the scripts (qat_train.py says why): else the teacher
+        # forwards timed in this process page-fault their vocabulary-sized temporaries in afresh
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(-3, 1 << 30)
+            libc.mallopt(-1, (1 << 31) - 1)
     shape = shape_args(opt)
     data_dir = short_val_copy(opt.data_dir, os.path.join(out, "data"), opt.batch_size * opt.nproc * (opt.block_size + 1))
     common = dict(data_dir=data_dir, preset=opt.preset, batch_size=opt.batch_size, block_size=opt.block_size,
@@ -174,6 +183,7 @@ def speed(opt):
     mfus = {key: [] for key, _, _ in variants}
     mems = {key: 0.0 for key, _, _ in variants}
     tokens_step = opt.batch_size * opt.block_size * opt.nproc
+    forwards = {dtype: [] for dtype in opt.dtypes.split(",")}  # seconds per teacher forward, one process
     for r in range(opt.rounds):
         for key, script, args in variants:
             recs = [x for x in run(script, args, os.path.join(out, "_".join(map(str, key)))) if "loss" in x]
@@ -181,6 +191,9 @@ def speed(opt):
             mfus[key] += [x["mfu"] for x in recs[opt.warmup:]]
             mems[key] = max(mems[key], recs[-1]["peak_mem_gb"])
             print(f"round {r + 1}/{opt.rounds} {'/'.join(map(str, key)):>22}: {1e3 * statistics.median(times[key]):8.1f} ms/step")
+        if opt.nproc == 1:
+            for dtype in forwards:
+                forwards[dtype] += teacher_forward_times(opt, teacher, dtype)
     rows, results = [], []
     for dtype in opt.dtypes.split(","):
         for comp in [int(c) for c in opt.compile.split(",")]:
@@ -198,6 +211,13 @@ def speed(opt):
     table = ["| dtype | mode | step | ms/step | tokens/s | tokens/s/device | vs plain | MFU | peak mem GB |",
              "|---|---|---|---|---|---|---|---|---|"] + rows
     notes = []
+    for dtype, ts in forwards.items():
+        # what the KD step should cost at most: a plain step and the teacher's forward, nothing more
+        fwd, plain, kd = 1e3 * statistics.median(ts), *(next(r["ms_per_step"] for r in results if r["dtype"] == dtype
+                                                              and not r["compile"] and r["step"] == k) for k in ("plain", "kd"))
+        notes.append(f"- {dtype}: one teacher forward, timed alone (eager, no_grad: hidden states, output layer, "
+                     f"log-softmax) {fwd:.1f} ms; plain step + it = {(plain + fwd) / plain:.2f}x plain, the eager KD step "
+                     f"{kd / plain:.2f}x")
     ref = TORCHTUNE_QAT_TOKENS_PER_SEC_PER_RANK
     for r in results:
         if r["step"] == "qat" and (opt.nproc, r["dtype"]) in ref and opt.device == "cpu" and opt.preset_is_torchtune:
@@ -211,6 +231,26 @@ def speed(opt):
               f"KD's teacher has the student's shape (one extra forward, ~1.33x a plain step's FLOPs)\n\n"
               + "\n".join(table) + "\n\n" + "\n".join(notes) + "\n")
     write(opt, "speed", report, {"options": vars(opt), "results": results})
+
+
+def teacher_forward_times(opt, path, dtype):
+    """Seconds of each timed teacher forward of one micro-batch (the KD step's teacher work: hidden
+    states, output layer, fp32 log-softmax), eager and under no_grad, in this process."""
+    from checkpoint import load_checkpoint
+    args, state = load_checkpoint(path)
+    m = Transformer(args)
+    m.load_state_dict(state)
+    m.to(device=opt.device, dtype=getattr(torch, dtype))
+    x = torch.randint(args.vocab_size, (opt.batch_size, opt.block_size), device=opt.device)
+    times = []
+    with torch.no_grad():
+        for _ in range(opt.warmup + opt.steps):
+            t0 = time.perf_counter()
+            torch.log_softmax(m.output(m.hidden(x)).float(), -1)
+            if opt.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return times[opt.warmup:]
 
 
 def shape_args(opt):

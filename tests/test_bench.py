@@ -3,6 +3,7 @@ of the training scripts, and their figures agree with each other."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -36,6 +37,11 @@ def test_speed_report(tmp_path):
         assert 0 < r["mfu"] < 1
     assert "| float32 | eager | qat |" in text
     assert (out / "speed.md").read_text().count("\n|") == 6  # header, rule, four rows
+    # the KD step's bound, measured: plain step + one teacher forward, beside the KD row's ratio
+    note = re.search(r"- float32: one teacher forward.* ([0-9.]+) ms; plain step \+ it = ([0-9.]+)x plain, "
+                     r"the eager KD step ([0-9.]+)x", text)
+    assert note and 0 < float(note[1]) < plain["ms_per_step"] and float(note[2]) > 1
+    assert float(note[3]) == round(res[2]["ratio_to_plain"], 2)
 
 
 def test_quality_report(tmp_path):
