@@ -515,18 +515,6 @@ def _qparams(x, qmin, qmax, eps, symmetric):
     return scale, (qmin - torch.round(lo / scale)).clamp(qmin, qmax)
 
 
-@torch.library.custom_op("nanotune::to_bool", mutates_args=())
-def _to_bool(x: torch.Tensor) -> torch.Tensor:
-    # x as bool by ATen, opaque to the compiler: Inductor's CPU kernels (torch 2.13) write a bool
-    # tensor ~10x slower than a float one, and slower than the whole fake quant around it
-    return x.bool()
-
-
-@_to_bool.register_fake
-def _(x):
-    return torch.empty_like(x, dtype=torch.bool)
-
-
 class _FakeQuantize(torch.autograd.Function):
     # torchao's fake quantize (scale, round, shift, clamp, and back) in the dtype torchao computes
     # it in (x's, or the scale's if wider); the gradient is straight-through except where the clamp
@@ -537,19 +525,23 @@ class _FakeQuantize(torch.autograd.Function):
         zero_point = zero_point.to(q.dtype)  # integers, which q's dtype holds exactly: an add of one dtype is faster
         q = q.round_().add_(zero_point)
         clamped = q.clamp(qmin, qmax)
-        # where the clamp moved q the gradient stops: a nonzero difference, cast to bool (ATen writes
-        # a compare's bool result 2-3x slower than it casts floats to bools, on a CPU)
+        # where the clamp moved q the gradient stops: there q - clamped is a nonzero integer
         clipped = q.sub_(clamped)
         if torch.compiler.is_compiling() and x.device.type == "cpu":
-            clipped = _to_bool(clipped)  # the compiled kernel writes floats, ATen makes them bools
+            # Inductor's CPU kernels (torch 2.13) store and load bool tensors through a slow path,
+            # 2-20x the time of the whole fake quant: the compiled mask stays a number (bfloat16 holds
+            # every nonzero integer nonzero), and backward multiplies by 1 - min(|difference|, 1)
+            ctx.save_for_backward(clipped.to(torch.bfloat16))
         else:
-            clipped = clipped.bool()
-        ctx.save_for_backward(clipped)
+            # a cast to bool: ATen writes a compare's bool result 2-3x slower than it casts floats
+            ctx.save_for_backward(clipped.bool())
         return clamped.to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
 
     @staticmethod
     def backward(ctx, grad):
         clipped, = ctx.saved_tensors
+        if clipped.dtype != torch.bool:  # compiled on a CPU: the difference itself
+            return grad * (1 - clipped.abs().clamp(max=1)).to(grad.dtype), None, None, None, None
         # where, not grad * mask: a product first converts the bool mask to grad's dtype, a pass of its own
         return torch.where(clipped, 0, grad), None, None, None, None
 
