@@ -529,9 +529,9 @@ class _FakeQuantize(torch.autograd.Function):
         clipped = q.sub_(clamped)
         if torch.compiler.is_compiling() and x.device.type == "cpu":
             # Inductor's CPU kernels (torch 2.13) store and load bool tensors through a slow path,
-            # 2-20x the time of the whole fake quant: the compiled mask stays a number (bfloat16 holds
-            # every nonzero integer nonzero), and backward multiplies by 1 - min(|difference|, 1)
-            ctx.save_for_backward(clipped.to(torch.bfloat16))
+            # 2-20x the time of the whole fake quant: the compiled mask stays the difference, in q's
+            # dtype (a conversion is slow too), and backward multiplies by 1 - min(|difference|, 1)
+            ctx.save_for_backward(clipped)
         else:
             # a cast to bool: ATen writes a compare's bool result 2-3x slower than it casts floats
             ctx.save_for_backward(clipped.bool())
