@@ -191,7 +191,7 @@ def speed(opt):
             mfus[key] += [x["mfu"] for x in recs[opt.warmup:]]
             mems[key] = max(mems[key], recs[-1]["peak_mem_gb"])
             print(f"round {r + 1}/{opt.rounds} {'/'.join(map(str, key)):>22}: {1e3 * statistics.median(times[key]):8.1f} ms/step")
-        if opt.nproc == 1:
+        if opt.nproc == 1 and "0" in opt.compile.split(","):  # the bound of the eager KD step
             for dtype in forwards:
                 forwards[dtype] += teacher_forward_times(opt, teacher, dtype)
     rows, results = [], []
@@ -212,6 +212,8 @@ def speed(opt):
              "|---|---|---|---|---|---|---|---|---|"] + rows
     notes = []
     for dtype, ts in forwards.items():
+        if not ts:
+            continue
         # what the KD step should cost at most: a plain step and the teacher's forward, nothing more
         fwd, plain, kd = 1e3 * statistics.median(ts), *(next(r["ms_per_step"] for r in results if r["dtype"] == dtype
                                                               and not r["compile"] and r["step"] == k) for k in ("plain", "kd"))
