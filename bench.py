@@ -184,6 +184,8 @@ def speed(opt):
     mems = {key: 0.0 for key, _, _ in variants}
     tokens_step = opt.batch_size * opt.block_size * opt.nproc
     forwards = {dtype: [] for dtype in opt.dtypes.split(",")}  # seconds per teacher forward, one process
+    from checkpoint import load_checkpoint
+    teacher_model = load_checkpoint(teacher)  # (args, state), read once for every round's forwards
     for r in range(opt.rounds):
         for key, script, args in variants:
             recs = [x for x in run(script, args, os.path.join(out, "_".join(map(str, key)))) if "loss" in x]
@@ -193,7 +195,7 @@ def speed(opt):
             print(f"round {r + 1}/{opt.rounds} {'/'.join(map(str, key)):>22}: {1e3 * statistics.median(times[key]):8.1f} ms/step")
         if opt.nproc == 1 and "0" in opt.compile.split(","):  # the bound of the eager KD step
             for dtype in forwards:
-                forwards[dtype] += teacher_forward_times(opt, teacher, dtype)
+                forwards[dtype] += teacher_forward_times(opt, *teacher_model, dtype)
     rows, results = [], []
     for dtype in opt.dtypes.split(","):
         for comp in [int(c) for c in opt.compile.split(",")]:
@@ -211,12 +213,12 @@ def speed(opt):
     table = ["| dtype | mode | step | ms/step | tokens/s | tokens/s/device | vs plain | MFU | peak mem GB |",
              "|---|---|---|---|---|---|---|---|---|"] + rows
     notes = []
+    ms = {(r["dtype"], r["compile"], r["step"]): r["ms_per_step"] for r in results}
     for dtype, ts in forwards.items():
         if not ts:
             continue
         # what the KD step should cost at most: a plain step and the teacher's forward, nothing more
-        fwd, plain, kd = 1e3 * statistics.median(ts), *(next(r["ms_per_step"] for r in results if r["dtype"] == dtype
-                                                              and not r["compile"] and r["step"] == k) for k in ("plain", "kd"))
+        fwd, plain, kd = 1e3 * statistics.median(ts), ms[(dtype, False, "plain")], ms[(dtype, False, "kd")]
         notes.append(f"- {dtype}: one teacher forward, timed alone (eager, no_grad: hidden states, output layer, "
                      f"log-softmax) {fwd:.1f} ms; plain step + it = {(plain + fwd) / plain:.2f}x plain, the eager KD step "
                      f"{kd / plain:.2f}x")
@@ -235,11 +237,9 @@ def speed(opt):
     write(opt, "speed", report, {"options": vars(opt), "results": results})
 
 
-def teacher_forward_times(opt, path, dtype):
+def teacher_forward_times(opt, args, state, dtype):
     """Seconds of each timed teacher forward of one micro-batch (the KD step's teacher work: hidden
     states, output layer, fp32 log-softmax), eager and under no_grad, in this process."""
-    from checkpoint import load_checkpoint
-    args, state = load_checkpoint(path)
     m = Transformer(args)
     m.load_state_dict(state)
     m.to(device=opt.device, dtype=getattr(torch, dtype))
