@@ -26,7 +26,8 @@ becomes two, its head in train and its tail in val, each with its BOS and EOS.
 Packed (some input has prompt/response; --block_size N required): every record is a sample, BOS
 prompt response EOS, packed whole and in order into rows of exactly N tokens, padded with eos_id.
 A sample over N tokens is truncated (keeps the prompt and the head of the response, no EOS) or
-skipped (--long_samples). Row r starts at token r*N, and one extra eos_id ends each file, so a
+skipped (--long_samples); one whose prompt alone fills N tokens is always skipped, as it leaves
+nothing to train. Row r starts at token r*N, and one extra eos_id ends each file, so a
 trainer reads window w as tokens[w*N : w*N+N+1]: the target of a row's last token is the next
 row's first token, which is a sample's first token and never trained (mask 0).
 
@@ -135,6 +136,22 @@ class Tokenizer:
         self.kind, self.files, self.vocab_size = kind, files, vocab_size
         self.bos_id, self.eos_id = bos_id, eos_id
         self.encode, self.decode = encode, decode
+        # a tokenizer that puts a space in front of every text it encodes (SentencePiece's dummy
+        # prefix: Llama 2, Mistral) would put one inside a document at each piece boundary too
+        self._after_newline = encode("\n")
+        probe, n = encode("\na"), len(self._after_newline)
+        self._prefixes = probe[:n] == self._after_newline and encode("a") != probe[n:]
+
+    def encode_rest(self, text):
+        """encode(text) for a piece that continues a document just after a newline, as it
+        tokenizes within the whole document: no space in front even where encode adds one."""
+        if not self._prefixes:
+            return self.encode(text)
+        ids = self.encode("\n" + text)
+        if ids[:len(self._after_newline)] != self._after_newline:  # the newline merged into the text
+            raise DataPrepError(f"the tokenizer {self.files[0]} joins a newline with the text after it, so a long file "
+                                f"cannot be encoded in pieces; split it into files under {DOC_CHARS:,} characters")
+        return ids[len(self._after_newline):]
 
     def fingerprint(self):
         with open(self.files[0], "rb") as f:
@@ -223,8 +240,28 @@ def load_tokenizer(path):
     except RuntimeError:
         raise DataPrepError(f"tokenizer {path} is none of a SentencePiece model, a Hugging Face tokenizer.json "
                             f"or a Llama 3 tiktoken tokenizer.model") from None
-    return Tokenizer("sentencepiece", [path], sp.vocab_size(), sp.bos_id() if sp.bos_id() >= 0 else None,
-                     sp.eos_id() if sp.eos_id() >= 0 else None, sp.encode, sp.decode)
+    # a transformers folder's tokenizer_config.json may say otherwise than the model's own ids
+    extras, config = _tokenizer_config(path)
+    bos_id = sp.bos_id() if sp.bos_id() >= 0 and config.get("add_bos_token", True) else None
+    eos_id = sp.eos_id() if sp.eos_id() >= 0 else None
+    if (eos := config.get("eos_token")) is not None:
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if sp.id_to_piece(eos_id := sp.piece_to_id(eos)) != eos:
+            raise DataPrepError(f"{extras[0]} names eos_token {eos!r}, which {path} does not have")
+    return Tokenizer("sentencepiece", [path] + extras, sp.vocab_size(), bos_id, eos_id, sp.encode, sp.decode)
+
+
+def _tokenizer_config(path):
+    """(files, settings) of the tokenizer_config.json and special_tokens_map.json beside the
+    tokenizer file at path, the first winning where both set something, as in transformers."""
+    folder = os.path.dirname(path)
+    extras = [p for p in (os.path.join(folder, n) for n in ("tokenizer_config.json", "special_tokens_map.json"))
+              if os.path.isfile(p)]
+    config = {}
+    for p in reversed(extras):
+        with open(p, encoding="utf-8") as f:
+            config.update({k: v for k, v in json.load(f).items() if v is not None})
+    return extras, config
 
 
 def _hf_tokenizer(path, data):
@@ -234,13 +271,9 @@ def _hf_tokenizer(path, data):
     except Exception as e:  # tokenizers raises a bare Exception for a JSON it cannot read
         raise DataPrepError(f"tokenizer {path} is JSON but not a Hugging Face tokenizer.json ({e})") from None
     tok.encode_special_tokens = True  # "</s>" written in a text is text, not an EOS
-    folder = os.path.dirname(path)
-    extras = [p for p in (os.path.join(folder, n) for n in ("tokenizer_config.json", "special_tokens_map.json"))
-              if os.path.isfile(p)]
-    config = {}
-    for p in reversed(extras):  # tokenizer_config.json wins, as in transformers
-        with open(p, encoding="utf-8") as f:
-            config.update({k: v for k, v in json.load(f).items() if v is not None})
+    tok.no_truncation()  # a tokenizer.json may carry a saved max_length or padding: documents are never cut or padded
+    tok.no_padding()
+    extras, config = _tokenizer_config(path)
 
     def special_id(field):
         token = config.get(field)
@@ -400,7 +433,8 @@ def iter_documents(files, skipped=None):
     """Yield (key, prompt, text, first, last) per piece of each document of the (path, key) files.
 
     prompt is None for plain text. A text file is one document, read in pieces of about DOC_CHARS
-    characters cut at line boundaries; first and last say whether a piece starts or ends its document.
+    characters cut at line boundaries before a visible character; first and last say whether a
+    piece starts or ends its document.
     Text files that are not UTF-8 (or hold NUL bytes: binaries) are skipped and appended to skipped.
     """
     for path, key in files:
@@ -426,8 +460,15 @@ def _text_documents(path, key, skipped):
         i = 0
         while text:
             try:
-                text += f.readline()  # end the piece at a line boundary
-                next_text = f.read(DOC_CHARS)
+                # end the piece at a line boundary, before a line that starts with a visible character:
+                # whitespace runs across lines ("\n\n", "\n    " in GPT-2's split) are single tokens
+                # of some tokenizers, and must not straddle two pieces (a run of indented or blank
+                # lines past DOC_CHARS is cut anyway)
+                text += f.readline()
+                line = f.readline()
+                while line[:1].isspace() and len(text) < 2 * DOC_CHARS:
+                    text, line = text + line, f.readline()
+                next_text = line + f.read(DOC_CHARS)
             except UnicodeDecodeError:
                 # its start was text, so this is a damaged file rather than a binary: say so
                 raise DataPrepError(f"{path} is not valid UTF-8 after its first {DOC_CHARS * i:,} characters; "
@@ -552,7 +593,7 @@ def _encode_chunk(chunk):
     for _, text, is_val, first, last in chunk:
         ids = out[is_val]
         ids += bos if first else []
-        ids += tok.encode(text)
+        ids += tok.encode(text) if first else tok.encode_rest(text)  # a later piece starts after a newline
         ids += [tok.eos_id] if last else []
     return {k: np.array(v, dtype) for k, v in out.items()}, len(chunk)
 
@@ -568,7 +609,8 @@ class _Packer:
 
     def add(self, ids, n_prompt):
         if len(ids) > self.block_size:
-            if self.long_samples == "skip":
+            # skipped, or truncated to a row: unless the prompt alone fills it, leaving nothing to train
+            if self.long_samples == "skip" or n_prompt >= self.block_size:
                 self.skipped += 1
                 return
             # keep the prompt and the response's head; no EOS: the response did not end there
@@ -716,12 +758,14 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
     def units():
         """(prompt, text, is_val, first, last) for the second pass: the pieces of the first, cut by the split."""
         i = offset = -1
+        cut_here = False
         for _, prompt, text, first, last in iter_documents(files):
             if first:
                 i, offset = i + 1, 0
             c, offset = val_start[i] - offset, offset + len(prompt or "") + len(text)
+            first, cut_here = first or cut_here, c == len(text)  # the split falls at this piece's end
             if c <= 0 or c >= len(text):
-                yield prompt, text, bool(c <= 0), first, last
+                yield prompt, text, bool(c <= 0), first, last or cut_here
             else:
                 j = line_cut(text, c, sizes[i] - val_start[i])
                 yield None, text[:j], False, first, True  # each part a document of its own
@@ -775,7 +819,7 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
             for split, p in zip(("train", "val"), packers.values()):
                 if p.samples == 0:
                     raise DataPrepError(f"no {split} sample is left after skipping {p.skipped} longer than --block_size "
-                                        f"{block_size}; raise --block_size or use --long_samples truncate")
+                                        f"{block_size} (or whose prompt fills it); raise --block_size, or use --long_samples truncate")
                 p.close()
 
         data = {name: {"bytes": os.path.getsize(os.path.join(tmp_dir, name)), "sha256": digests[name].hexdigest()}

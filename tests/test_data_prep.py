@@ -1,4 +1,5 @@
 import hashlib
+import io
 import json
 import os
 import random
@@ -261,6 +262,18 @@ def test_packed_rows(long_samples, sp_model, tmp_path, capsys):
         assert r["response"].startswith(q)  # its EOS at least is gone
 
 
+def test_packed_sample_whose_prompt_fills_a_row_is_skipped(sp_model, tmp_path):
+    # truncated to a row it would be all prompt, nothing to train: skipped and counted as such
+    records = [{"prompt": f"Q: {i} alpha beta\nA:", "response": " gamma delta"} for i in range(20)]
+    records.insert(3, {"prompt": "alpha beta gamma " * 40, "response": " delta"})
+    with open(tmp_path / "sft.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    meta = prepare([tmp_path / "sft.jsonl"], tmp_path / "out", tokenizer=sp_model, val_fraction=0.2, num_proc=1,
+                   block_size=32, long_samples="truncate")
+    assert (meta["truncated_samples"], meta["skipped_samples"]) == (0, 1)
+    assert meta["train_docs"] + meta["val_docs"] == 20
+
+
 def test_json_files_are_records(sp_model, tmp_path):
     records = [{"text": f"document {i} " + "words " * i} for i in range(30)]
     (tmp_path / "array.json").write_text(json.dumps(records, indent=1))  # an array across many lines
@@ -281,6 +294,39 @@ def test_long_file_is_read_in_pieces_at_line_boundaries(tmp_path, monkeypatch):
     assert len(docs) > 5 and "".join(t for _, _, t, _, _ in docs) == text
     assert all(t.endswith("\n") for _, _, t, _, _ in docs) and len({k for k, *_ in docs}) == 1
     assert [(f, last) for *_, f, last in docs] == [(True, False)] + [(False, False)] * (len(docs) - 2) + [(False, True)]
+
+
+def test_long_file_in_pieces_decodes_back_with_a_dummy_prefix_tokenizer(tmp_path, monkeypatch):
+    # a Llama 2 style SentencePiece model puts a space in front of every text it encodes: the pieces
+    # of a long file after the first must not get one, or the file no longer decodes back
+    text = "".join(f"line {i} hello world foo bar\n" for i in range(600))
+    (tmp_path / "a.txt").write_text(text)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text.splitlines()), model_writer=model, vocab_size=300,
+                                   model_type="bpe", byte_fallback=True, add_dummy_prefix=True,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
+    (tmp_path / "llama2ish.model").write_bytes(model.getvalue())
+    monkeypatch.setattr(data_prep, "DOC_CHARS", 2000)  # about ten pieces
+    meta = prepare([tmp_path / "a.txt"], tmp_path / "out", tokenizer=tmp_path / "llama2ish.model", num_proc=1,
+                   val_fraction=0.05)
+    tok = data_prep.load_tokenizer(tmp_path / "out")
+    assert tok.encode("a") != tok.encode("\na")[len(tok.encode("\n")):]  # the dummy prefix is there
+    (train,), (val,) = (split_docs(np.fromfile(tmp_path / "out" / f"{s}.bin", dtype=meta["dtype"]), tok.eos_id, tok.bos_id)
+                        for s in ("train", "val"))
+    # the val part is a document of its own: encoded alone, it starts with the dummy space
+    assert tok.decode(train.tolist()) + tok.decode(val.tolist()) == text
+
+
+def test_split_at_a_piece_boundary_ends_and_starts_a_document(sp_model, tmp_path, monkeypatch):
+    # the val split falling exactly where one piece of a long file ends and the next begins: the
+    # train part still ends with EOS and the val part starts with BOS
+    (tmp_path / "a.txt").write_text("".join(f"row {i:05d}\n" for i in range(110)))  # 110 lines of 10 characters
+    monkeypatch.setattr(data_prep, "DOC_CHARS", 100)  # pieces of 100 characters and the line after: 110
+    monkeypatch.setattr(data_prep, "MIN_TAIL_CHARS", 100)
+    meta = prepare([tmp_path / "a.txt"], tmp_path / "out", tokenizer=sp_model, num_proc=1, val_fraction=0.1)
+    tok = data_prep.load_tokenizer(tmp_path / "out")
+    for s in ("train", "val"):
+        assert len(split_docs(np.fromfile(tmp_path / "out" / f"{s}.bin", dtype=meta["dtype"]), tok.eos_id, tok.bos_id)) == 1
 
 
 def test_failed_run_keeps_old_outputs_and_a_new_one_replaces_them(corpus, tmp_path):

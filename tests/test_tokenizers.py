@@ -12,7 +12,9 @@ from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data_prep import DataPrepError, load_tokenizer, prepare, tokenizer_mismatch, train_tokenizer  # noqa: E402
+import data_prep  # noqa: E402
+from data_prep import (DataPrepError, iter_documents, list_files, load_tokenizer, prepare,  # noqa: E402
+                       tokenizer_mismatch, train_tokenizer)
 
 TEXTS = {
     "a.txt": "def f(x):\n    return x + 1  # done\n" * 20,
@@ -142,6 +144,53 @@ def test_hf_bos_semantics(tmp_path):
         load_tokenizer(write_hf(tmp_path / "noeos", {"bos_token": "<s>"}))
     with pytest.raises(DataPrepError, match="names eos_token '<eos>', which"):
         load_tokenizer(write_hf(tmp_path / "bad", {"eos_token": "<eos>"}))
+
+
+def test_sentencepiece_folder_follows_its_tokenizer_config(tmp_path):
+    # a transformers folder with only tokenizer.model: its tokenizer_config.json decides BOS, as
+    # for a tokenizer.json, and travels with the data
+    folder = tmp_path / "sp"
+    folder.mkdir()
+    plain = load_tokenizer(write_sentencepiece(folder / "tokenizer.model"))
+    assert plain.bos_id == 1
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False, "eos_token": "</s>"}))
+    tok = load_tokenizer(folder)
+    assert (tok.bos_id, tok.eos_id) == (None, plain.eos_id)
+    meta = prepare([write_corpus(tmp_path / "corpus")], tmp_path / "out", tokenizer=folder, num_proc=1)
+    assert meta["bos_id"] is None and sorted(decode_documents(tmp_path / "out", tok)) == sorted(TEXTS.values())
+    assert sorted(meta["tokenizer"]["files"]) == ["tokenizer.model", "tokenizer_config.json"]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    with pytest.raises(DataPrepError, match="names eos_token '<eos>', which"):
+        load_tokenizer(folder)
+
+
+def test_saved_truncation_and_padding_do_not_apply(tmp_path):
+    # a tokenizer.json may carry a max_length and padding saved with it; documents are still
+    # encoded whole and unpadded, as transformers does unless asked
+    folder = write_hf(tmp_path / "hf")
+    plain = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    saved = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=64)
+    saved.save(str(folder / "tokenizer.json"))
+    tok = load_tokenizer(folder)
+    for text in (TEXTS["a.txt"], "hi"):
+        want = plain.encode(text, add_special_tokens=False).ids
+        assert tok.encode(text) == want and len(want) not in (4, 64)
+
+
+def test_long_file_pieces_tokenize_as_the_whole_file(tmp_path, monkeypatch):
+    # a long file is encoded piece by piece; a piece never starts inside a run of whitespace, so
+    # a tokenizer that makes "\n\n" one token gives the whole file's ids
+    tok = load_tokenizer(write_tiktoken(tmp_path / "tokenizer.model", merges=LLAMA3_MERGES + [b"\n\n"])[0])
+    text = "".join("  indented\n\n\n" if i % 3 == 0 else "the return\n\n" for i in range(300))
+    (tmp_path / "long.txt").write_text(text)
+    monkeypatch.setattr(data_prep, "DOC_CHARS", 50)
+    pieces = list(iter_documents(list_files([tmp_path / "long.txt"])))
+    ids = [i for _, _, t, first, _ in pieces for i in (tok.encode(t) if first else tok.encode_rest(t))]
+    assert len(pieces) > 20 and "".join(t for _, _, t, _, _ in pieces) == text
+    assert all(t[:1] not in " \n" for _, _, t, _, _ in pieces[1:])  # the first is the file's start
+    assert ids == tok.encode(text)
 
 
 def test_uint32_for_a_large_vocabulary(tmp_path):
