@@ -88,13 +88,15 @@ def changed(defaults, config):
     return [k for k, d in defaults.items() if type(config[k]) is not type(d) or config[k] != d]
 
 
-def apply_config(globals_dict, keys, argv=None, master_process=None, print_config=True, positive=()):
+def apply_config(globals_dict, keys, argv=None, master_process=None, print_config=True, positive=(), assigned=None):
     """Apply argv (default sys.argv[1:]) to the settings `keys` of globals_dict, in place.
 
     Returns the final {key: value} in script order. Prints the settings that changed when
-    print_config and this is the master process (default: env RANK unset or "0"). Raises
-    ConfigError on bad input.
+    print_config and this is the master process (default: env RANK unset or "0"). Adds to the set
+    `assigned`, if given, every key a --key=value or a config file's top-level assignment names,
+    whatever the value (a default given explicitly is still a request). Raises ConfigError on bad input.
     """
+    assigned = set() if assigned is None else assigned
     argv = sys.argv[1:] if argv is None else argv
     if master_process is None:
         master_process = os.environ.get("RANK", "0") == "0"
@@ -119,11 +121,18 @@ def apply_config(globals_dict, keys, argv=None, master_process=None, print_confi
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 value = raw  # --init_from=resume: a bare word is a string
             globals_dict[key] = _convert(value, defaults[key], raw, f"--{key}")
+            assigned.add(key)
         else:
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file '{arg}' not found; check the path")
             with open(arg) as f:
-                code = compile(f.read(), arg, "exec")
+                source = f.read()
+            code = compile(source, arg, "exec")
+            # the names its top level assigns (x = ..., x: T = ..., x += ...): set, even to their defaults
+            for node in ast.parse(source, arg).body:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                    node, (ast.AnnAssign, ast.AugAssign)) else []
+                assigned.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name) and n.id in defaults)
             # a fresh namespace, so the file sees the current settings but cannot clobber
             # the script's imports or helpers; we pick out only the settings afterwards
             ns = {k: globals_dict[k] for k in keys}
@@ -150,9 +159,13 @@ def configure(globals_dict, argv=None, print_config=True, positive=()):
     Exits 2 with a one-line error."""
     keys = config_keys(globals_dict)
     defaults = {k: globals_dict[k] for k in keys}
+    assigned = set()
     try:
-        config = apply_config(globals_dict, keys, argv, print_config=print_config, positive=positive)
-        return config, changed(defaults, config)
+        config = apply_config(globals_dict, keys, argv, print_config=print_config, positive=positive, assigned=assigned)
+        # what the run asks for: a changed value, or one given explicitly (the refusals of settings
+        # that would be ignored read this, so that --group_size=32 without a quantizer is one too)
+        asked = assigned | set(changed(defaults, config))
+        return config, [k for k in keys if k in asked]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -160,7 +173,7 @@ def configure(globals_dict, argv=None, print_config=True, positive=()):
 
 def check_training(c, overridden, world_size):
     """Checks of the settings both training scripts share, given the final config `c`, the keys
-    that differ from the defaults and the number of processes. Returns (quant_bits: (activation
+    the run sets (changed, or given explicitly) and the number of processes. Returns (quant_bits: (activation
     bits or None for weight-only, weight bits), or None without a quantizer; the number of
     micro-batches per step, 0 resolved to one per process). Raises ConfigError."""
     quantizer, dtype, device, export_format = c["quantizer"], c["dtype"], c["device"], c["export_format"]
@@ -200,6 +213,15 @@ def check_training(c, overridden, world_size):
          "quantize_embedding=False and dtype='float32'"),
         (export_format == "pte" and importlib.util.find_spec("executorch") is None,
          "export_format='pte' needs the executorch package: pip install executorch"),
+        # checked before any work: a failed import later would come after the old log was set aside
+        (c["wandb_log"] and importlib.util.find_spec("wandb") is None,
+         "wandb_log=True needs the wandb package: pip install wandb"),
+        (c["min_lr"] > c["learning_rate"],
+         f"min_lr={c['min_lr']} is above learning_rate={c['learning_rate']}, the peak the schedule decays from"),
+        (c["profile"] and not c.get("convert_only") and c["max_iters"] < sum(c[f"profile_{k}"] for k in ("wait", "warmup", "active")),
+         f"profile=True records steps {c['profile_wait'] + c['profile_warmup']} to "
+         f"{c['profile_wait'] + c['profile_warmup'] + c['profile_active'] - 1} of a run (profile_wait, profile_warmup, "
+         f"profile_active), past max_iters={c['max_iters']}: no trace would be written"),
     ]
     # a setting that would be ignored in this mode is a mistake to point out, not to run with
     if quant_bits is None and (unused := [k for k in ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip",

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import re
 import subprocess
@@ -33,6 +34,20 @@ def write(tmp_path, name, text):
     p = tmp_path / name
     p.write_text(textwrap.dedent(text))
     return str(p)
+
+
+def test_configure_reports_explicit_defaults_as_set(tmp_path):
+    # a key given its default value, on the command line or in a config file, is still asked for:
+    # the refusals of settings that would be ignored must see it
+    cfg = write(tmp_path, "c.py", """
+        batch_size = 12  # the default
+        dropout: float = 0.1
+        if True:
+            compile = True  # not top level: only a changed value counts
+    """)
+    g = make_globals()
+    config, overridden = configure(g, [cfg, "--learning_rate=6e-4"], print_config=False)
+    assert overridden == ["batch_size", "learning_rate", "dropout"]
 
 
 def test_config_keys_skip_modules_functions_and_private():
@@ -210,7 +225,9 @@ def test_constants_are_not_settings():
 
 TRAINING = dict(quantizer="8da4w", dtype="float32", device="cpu", export_format="none", mixed_precision=False,
                 cpu_offload=False, activation_offloading=False, gradient_accumulation_steps=0, replicate_degree=1,
-                group_size=32, quantize_embedding=False, init_from="scratch", range_learning=False, range_lr_ratio=1.0)
+                group_size=32, quantize_embedding=False, init_from="scratch", range_learning=False, range_lr_ratio=1.0,
+                wandb_log=False, learning_rate=3e-4, min_lr=3e-5, profile=False, max_iters=300, profile_wait=5,
+                profile_warmup=2, profile_active=3)
 
 
 @pytest.mark.parametrize("settings, overridden, world_size, words", [
@@ -222,10 +239,19 @@ TRAINING = dict(quantizer="8da4w", dtype="float32", device="cpu", export_format=
     (dict(gradient_accumulation_steps=3), [], 2, "must be a multiple of the 2 processes"),
     (dict(replicate_degree=3), [], 4, "replicate_degree=3 must divide"),
     (dict(init_from="out/x/ckpt.pt", n_layer=4), ["n_layer"], 1, "carries its own shape"),
+    (dict(min_lr=1e-3), [], 1, "min_lr=0.001 is above learning_rate=0.0003"),
+    (dict(profile=True, max_iters=9), [], 1, "past max_iters=9: no trace would be written"),
 ])
 def test_check_training_refuses(settings, overridden, world_size, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         check_training({**TRAINING, **settings}, overridden, world_size)
+
+
+def test_wandb_without_the_package_is_refused(monkeypatch):
+    # refused before any work: the import used to fail after the old log.jsonl was set aside
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else object())
+    with pytest.raises(ConfigError, match="wandb_log=True needs the wandb package"):
+        check_training({**TRAINING, "wandb_log": True}, ["wandb_log"], 1)
 
 
 def test_check_training_resolves_bits_and_accumulation():
