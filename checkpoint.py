@@ -14,6 +14,7 @@ line naming it, before any tensor is read: a model loaded approximately gives nu
 right and are not. Exports write a directory atomically (a temp directory renamed into place).
 """
 
+import hashlib
 import json
 import os
 import pickle
@@ -96,6 +97,25 @@ def load_checkpoint(path, weights=True):
     raise ValueError(NOT_A_CHECKPOINT.format(path))
 
 
+def checkpoint_digest(path, samples=64, chunk=1 << 16):
+    """A sha256 over the checkpoint at path (a file, or each file of a directory): names, sizes and
+    `samples` reads of `chunk` bytes spread evenly over each file. Another training of the same
+    shape differs in every weight, so in the reads; 4 MiB a file keeps it quick for an 8B model."""
+    h = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else sorted(f for f in glob(os.path.join(path, "**"), recursive=True) if os.path.isfile(f))
+    for file in files:
+        size = os.path.getsize(file)
+        h.update(f"{os.path.relpath(file, path)}:{size}".encode())
+        with open(file, "rb") as f:
+            if size <= samples * chunk:
+                h.update(f.read())
+                continue
+            for i in range(samples):
+                f.seek(i * (size - chunk) // (samples - 1))
+                h.update(f.read(chunk))
+    return h.hexdigest()
+
+
 def load_provenance(path):
     """The provenance dict an export wrote to nanotune.json, or None for directories without one."""
     file = os.path.join(path, "nanotune.json")
@@ -148,9 +168,14 @@ def atomic_save(obj, path):
     os.replace(path + ".tmp", path)
 
 
-def check_resume(ckpt, config, same, data_meta, path):
-    """Refuses (ValueError) to resume the checkpoint `ckpt` from `path` with other values of the
-    settings `same` than it was trained with, or on other data (data_prep's file fingerprints)."""
+def check_resume(ckpt, config, same, data_meta, path, script):
+    """Refuses (ValueError) to resume the checkpoint `ckpt` from `path` in another script than
+    wrote it, with other values of the settings `same` than it was trained with, or on other data
+    (data_prep's file fingerprints)."""
+    # checkpoints from before "script" was recorded: kd_train's alone carry teacher_init
+    if (wrote := ckpt.get("script") or ("kd_train.py" if "teacher_init" in ckpt else "qat_train.py")) != script:
+        raise ValueError(f"{path} was written by {wrote}, not {script}: resume it with {wrote}, or give this run "
+                         f"another out_dir (init_from={path!r} starts from its weights)")
     if changed := {k: ckpt["config"][k] for k in same if k in ckpt["config"] and ckpt["config"][k] != config[k]}:
         raise ValueError(f"{path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
                          f"resume with the same settings or start a new out_dir")
@@ -170,7 +195,8 @@ def save_training_checkpoint(model, optimizers, small, out_dir, sharded):
                  "optimizer": get_optimizer_state_dict(model, optimizers, options=full)}
         if master:
             atomic_save({**state, **small}, single)
-            shutil.rmtree(final, ignore_errors=True)
+            for d in (final, old):  # ckpt.old too: sharded_dir would otherwise pick it over this newer file
+                shutil.rmtree(d, ignore_errors=True)
         return
     if master:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written directory
@@ -265,6 +291,8 @@ def _load_meta(path, weights=True):
     if params.get("vocab_size", -1) < 0:  # Llama 2 writes -1: the tokenizer decides
         params["vocab_size"] = sd["tok_embeddings.weight"].shape[0]
     hidden_dim = params.pop("hidden_dim", None)
+    if "max_seq_len" not in params and "max_seq_len" in (provenance := load_provenance(path) or {}):
+        params["max_seq_len"] = provenance["max_seq_len"]  # an export of ours; Meta's own leave it to the caller
     return _args_for(params, sd, where, hidden_dim), sd
 
 
@@ -289,7 +317,12 @@ def _load_hf(path, weights=True):
     if not weights:
         hf = _shapes_only(hf)
     sd = hf_to_meta(hf, ModelArgs.from_dict(params))
-    if params["tie_embeddings"]:  # transformers then ignores any lm_head.weight in the files
+    if params["tie_embeddings"]:
+        # an lm_head.weight beside a tied config: transformers 4 drops it, 5 keeps it untied if it differs
+        if weights and "output.weight" in sd and not _same(sd["output.weight"], sd["tok_embeddings.weight"]):
+            raise ValueError(f"{where} has tie_word_embeddings true, yet the weights hold an lm_head.weight unlike the "
+                             f"embedding, which transformers 4 and 5 load differently; set tie_word_embeddings to what "
+                             f"the weights mean")
         sd.pop("output.weight", None)
     elif "output.weight" not in sd:
         raise ValueError(f"{where} has tie_word_embeddings false but the weights have no lm_head.weight")
@@ -519,7 +552,8 @@ def export_meta(state_dict, args, out_dir, tokenizer_files=(), provenance=None):
     with _atomic_dir(out_dir) as tmp:
         _write_json(params, os.path.join(tmp, "params.json"))
         torch.save(_plain(state_dict, args), os.path.join(tmp, "consolidated.00.pth"))
-        _finish(tmp, tokenizer_files, provenance)
+        # the context length goes to nanotune.json: Meta's loader passes max_seq_len beside params.json
+        _finish(tmp, tokenizer_files, {**(provenance or {}), "max_seq_len": args.max_seq_len})
 
 
 def _hf_config(args, dtype, bos_id=None, eos_id=None):
@@ -694,7 +728,9 @@ def export_executorch(model, path, max_seq_len=None):
     if dtypes != {torch.float32}:
         raise ValueError(f"the model computes in {', '.join(sorted(map(str, dtypes)))}; "
                          f"export a float32 model (dtype='float32')")
-    decoder = _ExportDecoder(_xnnpack_weights(copy.deepcopy(model)).eval(), max_len).eval()
+    # no gradients: a model loaded with load_state_dict(assign=True) keeps requires_grad on its
+    # integer weights, which the lowering refuses
+    decoder = _ExportDecoder(_xnnpack_weights(copy.deepcopy(model).requires_grad_(False)).eval(), max_len).eval()
 
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower

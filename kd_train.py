@@ -25,9 +25,9 @@ $ python kd_train.py config/tiny_kd.py --teacher_topk_dir=data/stdlib/teacher_ti
 The store (teacher_topk_dir, default data_dir/teacher_topk) holds ids.bin (uint16, or uint32 past
 65536 tokens) and logprobs.bin (float16), both (train windows * block_size, k) with row
 w * block_size + t the target t of window w, as get_batch cuts it; done.bin (one byte per group
-of batch_size windows written); meta.json (k, temperature, teacher, data and tokenizer
-fingerprints, windows done, the teacher's val loss, and "complete", set last). 4k bytes a token
-(6k with uint32 ids). float16 rather than bfloat16: for log-probs in [-32, 0], where the mass is,
+of batch_size windows written); meta.json (k, temperature, the teacher's path and a digest of its
+files, data and tokenizer fingerprints, windows done, the teacher's val loss, and "complete", set
+last). 4k bytes a token (6k with uint32 ids). float16 rather than bfloat16: for log-probs in [-32, 0], where the mass is,
 float16's 11-bit mantissa rounds a probability by < 0.8% and bfloat16's 8 bits by up to 6%, and
 float16's range (down to -65504) is no limit for log-probs. They are the teacher's at the writing
 run's kd_temperature, and training refuses another temperature: p_T(i) = p(i)^(1/T) / sum_j
@@ -67,12 +67,12 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
-                        load_sharded_checkpoint, save_adapter, save_training_checkpoint, sharded_dir, tokenizer_of)
+from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch, export_hf, export_meta,
+                        load_checkpoint, load_sharded_checkpoint, save_adapter, save_training_checkpoint, sharded_dir, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
-                   flops_per_token, fuse_fake_quant, initial_scales, learn_scales, mark_only_lora_trainable, merge_lora, peak_flops, to_lora_keys,
-                   weights_only)
+                   flops_per_token, fuse_fake_quant, initial_scales, learn_scales, mark_only_lora_trainable, merge_lora, peak_flops,
+                   restart_scales, to_lora_keys, weights_only)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -160,7 +160,7 @@ from configurator import ConfigError, check_training, configure
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
                                                     "log_interval", "ckpt_interval", "kd_temperature",
-                                                    "teacher_topk"))
+                                                    "teacher_topk", "group_size", "grad_clip", "replicate_degree"))
 
 # derived values and checks: every mistake a user can make fails here, before any real work
 torchrun = "RANK" in os.environ  # launched by torchrun: the process group comes from its variables
@@ -207,6 +207,9 @@ if not lora_rank and (unused := [k for k in ("lora_alpha", "lora_dropout", "lora
     fail(f"{', '.join(unused)} only matter with LoRA, and lora_rank=0; set lora_rank or drop them")
 if kd_divergence != "jsd" and "jsd_beta" in overridden:
     fail(f"jsd_beta only matters with kd_divergence='jsd', not {kd_divergence!r}")
+if "teacher_topk" in overridden and not teacher_topk_dir and not topk_write:
+    fail("teacher_topk only matters with a top-k store (topk_write=True, or teacher_topk_dir); online KD reads the "
+         "teacher's whole distribution")
 if init_from == "scratch" and preset not in PRESETS:
     fail(f"preset={preset!r} is unknown; choose from {sorted(PRESETS)}")
 try:
@@ -214,6 +217,23 @@ try:
 except DataPrepError as e:
     fail(str(e))
 data_tokenizer = data_meta.get("tokenizer")  # its fingerprint; hand-made data may have none
+
+# the teacher top-k store: what it was written from, so that it can only meet the same data, tokenizer,
+# windows and temperature; a store still being written is never read. Training from it, the store is
+# the teacher: a teacher_topk or teacher_init naming another is refused, and the run records the store's
+store_meta = None
+if from_store:
+    try:
+        store_meta = load_topk_store(teacher_topk_dir, data_meta, block_size, kd_temperature)
+    except DataPrepError as e:
+        fail(str(e))
+    if "teacher_topk" in overridden and teacher_topk != store_meta["k"]:
+        fail(f"teacher_topk={teacher_topk}, but the store in {teacher_topk_dir} holds the top {store_meta['k']}, which "
+             f"training reads; drop teacher_topk, or write a store of the top {teacher_topk}")
+    if "teacher_init" in overridden and os.path.realpath(teacher_init) != os.path.realpath(store_meta["teacher_init"]):
+        fail(f"teacher_init={teacher_init!r}, but the store in {teacher_topk_dir} was written from "
+             f"{store_meta['teacher_init']!r}; drop teacher_init, or give the store of that teacher")
+    teacher_init = config["teacher_init"] = store_meta["teacher_init"]
 
 
 def load_or_fail(name, path):
@@ -226,6 +246,9 @@ def load_or_fail(name, path):
         fail(str(e))
     file = path if os.path.isfile(path) else os.path.join(path, "ckpt.pt")
     ckpt = torch.load(file, map_location="cpu", mmap=True, weights_only=True) if os.path.isfile(file) else {}
+    if any(type(v) is not torch.Tensor for v in ckpt.get("model", {}).values()):  # torchao's quantized tensors
+        fail(f"{name}={path!r} holds a converted (integer) model, which does not train; give the checkpoint it was "
+             f"converted from (its ckpt.pt)")
     # teacher, student and data must share one tokenizer, or the divergence compares unrelated tokens
     if data_tokenizer and (theirs := tokenizer_of(path, ckpt, data_tokenizer.get("kind"))) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{name}={path!r} was trained with another tokenizer than the data in {data_dir} ({diff}); "
@@ -247,14 +270,18 @@ if init_from == "resume":
         check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init",
                                     "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
                                     "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding",
-                                    "quant_skip", "range_learning", "fake_quant_after_n_steps", "teacher_topk_dir"), data_meta, resume_path)
+                                    "quant_skip", "range_learning", "fake_quant_after_n_steps", "teacher_topk_dir"), data_meta,
+                     resume_path, "kd_train.py")
     except ValueError as e:
         fail(str(e))
 elif init_from == "scratch":
     shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
     for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
         shape[key] = value or shape.get(key)
-    model_args = ModelArgs(**shape)
+    try:
+        model_args = ModelArgs(**shape)
+    except ValueError as e:  # a shape that cannot be, e.g. n_head not dividing n_embd
+        fail(str(e))
 else:
     model_args, init_state = load_or_fail("init_from", init_from)
 if init_from != "resume":
@@ -279,14 +306,6 @@ if block_size > min(model_args.max_seq_len, (teacher_args or model_args).max_seq
 if topk_write and teacher_topk > n_vocab:
     fail(f"teacher_topk={teacher_topk} exceeds the data's {n_vocab} token ids; k = {n_vocab} stores the whole distribution")
 
-# the teacher top-k store: what it was written from, so that it can only meet the same data, tokenizer,
-# windows and temperature; a store still being written is never read
-store_meta = None
-if from_store:
-    try:
-        store_meta = load_topk_store(teacher_topk_dir, data_meta, block_size, kd_temperature)
-    except DataPrepError as e:
-        fail(str(e))
 store_meta_path = os.path.join(teacher_topk_dir, "meta.json")
 if topk_write and os.path.exists(store_meta_path):  # a write to resume, or done
     with open(store_meta_path) as f:
@@ -297,6 +316,8 @@ if topk_write:
         "k": teacher_topk, "temperature": kd_temperature, "block_size": block_size, "vocab_size": n_vocab,
         "ids_dtype": "uint16" if n_vocab <= 2 ** 16 else "uint32", "logprobs_dtype": "float16",
         "batch_size": batch_size, "teacher_init": teacher_init, "teacher_args": vars(teacher_args),
+        # the teacher's bytes, not only its path: a teacher retrained in place must not extend its old store
+        "teacher_digest": checkpoint_digest(teacher_init),
         "data": data_meta.get("data"), "tokenizer": data_tokenizer}))
     if store_meta is not None and (changed := [k for k in store_spec if store_meta.get(k) != store_spec[k]]):
         fail(f"{teacher_topk_dir} holds a store written with other {', '.join(changed)}; rerun with its settings to "
@@ -593,6 +614,10 @@ if init_from == "resume":
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
         if device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
+    # the loaded state brings its run's settings too: this run's, as printed above, apply from here
+    group_of = {p: g for g in groups for p in g["params"]}
+    for group in optimizer.param_groups:
+        group.update({k: v for k, v in group_of[group["params"][0]].items() if k != "params"}, betas=(beta1, beta2))
     if master_process:
         print(f"resumed from {resume_path} at step {iter_num}")
 start_iter = iter_num
@@ -824,8 +849,8 @@ def save_checkpoint():
     rngs = [None] * world_size
     dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None})
-    small = {"model_args": vars(model_args).copy(), "iter_num": iter_num, "epoch": iter_num // steps_per_epoch,
-             "config": config, "quantizer": quantizer, "group_size": group_size,
+    small = {"script": "kd_train.py", "model_args": vars(model_args).copy(), "iter_num": iter_num,
+             "epoch": iter_num // steps_per_epoch, "config": config, "quantizer": quantizer, "group_size": group_size,
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1), "teacher_init": teacher_init,
              "teacher_val_loss": teacher_val_loss, "tokenizer": data_tokenizer, "data": data_meta.get("data"), "rng": rngs}
     save_training_checkpoint(model, [optimizer], small, out_dir, sharded_checkpoint)
@@ -922,20 +947,33 @@ if topk_write:
     dist.destroy_process_group()
     sys.exit(0)
 
+def _json_or_none(line):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 log_file = None
 if master_process:
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")
         print(f"{log_path} held an earlier run's log: moved to log.jsonl.prev")
-    log_file = open(log_path, "a+")
-    if init_from == "resume":  # the lines of steps after the checkpoint are about to be redone
-        log_file.seek(0)
-        records = [json.loads(line) for line in log_file]  # an event at the resumed step comes again
-        kept = [json.dumps(r) + "\n" for r in records if r["iter"] < iter_num or (r["iter"] == iter_num and "event" not in r)]
-        log_file.seek(0)
-        log_file.truncate()
-        log_file.writelines(kept)
+    if init_from == "resume" and os.path.exists(log_path):
+        # the lines of steps after the checkpoint, an event at its step and the summary are about to
+        # come again; the rest is rewritten to a temp file and renamed, so a kill keeps one whole log
+        # (a line a kill tore in half is dropped)
+        with open(log_path) as f:
+            records = [r for r in map(_json_or_none, f) if r is not None]
+        kept = [json.dumps(r) + "\n" for r in records
+                if (r["iter"] < iter_num or r["iter"] == iter_num and "event" not in r) and "fp_val_loss" not in r]
+        with open(log_path + ".tmp", "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(log_path + ".tmp", log_path)
+    log_file = open(log_path, "a")
 wandb = None
 if wandb_log and master_process:
     import wandb
@@ -950,7 +988,7 @@ def log(record):
             wandb.log(record, step=record["iter"])
 
 
-def peak_memory_gb():
+def peak_memory_gib():
     if device_type == "cuda":
         return torch.cuda.max_memory_allocated() / 2 ** 30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
@@ -959,7 +997,10 @@ def peak_memory_gb():
 # -----------------------------------------------------------------------------
 # training loop
 # a KD step costs the student's training FLOPs plus one teacher forward (a third of its training FLOPs)
-flops_token = flops_per_token(model_args, block_size) + (flops_per_token(teacher_args, block_size) / 3 if teacher else 0)
+# the student's (LoRA: its frozen base, and 6 per adapter weight), and the teacher's forward
+flops_token = (flops_per_token(model_args, block_size, frozen=bool(lora_rank))
+               + 6 * sum(p.numel() for n, p in model.named_parameters() if n.endswith(("lora_a", "lora_b")))
+               + (flops_per_token(teacher_args, block_size) / 3 if teacher else 0))
 peak, peak_source = (peak_flops_per_device, "given") if peak_flops_per_device else peak_flops(device_type, ptdtype)
 if teacher_val_loss is None:  # once per run: a resumed run has it from its checkpoint, a store from its writing
     teacher_val_loss = store_meta["teacher_val_loss"] if from_store else evaluate(teacher, full=True)
@@ -988,6 +1029,8 @@ with profiler as prof:
     while iter_num < max_iters:
         if quant_bits is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
             set_fake_quant(model, True)
+            if range_learning:  # scales for the weights as they are now, not as they were at step 0
+                restart_scales(model)
             if master_process:
                 pbar.write(f"step {iter_num}: fake quant enabled")
             log({"iter": iter_num, "event": "fake_quant_enabled"})
@@ -1033,7 +1076,7 @@ with profiler as prof:
                       "epoch": (iter_num - 1) // steps_per_epoch,
                       "grad_norm": grad_norm.full_tensor().item(),  # FSDP's gradients are DTensors, and so is their norm
                       "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world_size,
-                      "mfu": mfu, "peak_mem_gb": peak_memory_gb(), "fake_quant": fake_quant_on(iter_num - 1)}
+                      "mfu": mfu, "peak_mem_gib": peak_memory_gib(), "fake_quant": fake_quant_on(iter_num - 1)}
             log(record)
             pbar.set_postfix(loss=f"{loss_val:.4f}", ce=f"{class_loss:.4f}", kd=f"{kd_loss_val:.4f}",
                              tok_s=f"{tps:,.0f}", mfu=f"{mfu:.0%}")

@@ -443,14 +443,15 @@ def chunked_cross_entropy(h, output, targets, chunk=1024, loss=ce_chunk):
     return total
 
 
-def flops_per_token(args: ModelArgs, seq_len: int):
+def flops_per_token(args: ModelArgs, seq_len: int, frozen=False):
     """Training FLOPs per token: 6 per weight (forward + backward) plus attention's QK^T and AV,
-    12 * layers * dim * seq_len (PaLM appendix B; causal masking not discounted, as usual)."""
+    12 * layers * dim * seq_len (PaLM appendix B; causal masking not discounted, as usual). With
+    frozen weights (LoRA's base) 4 per weight: backward computes no gradient for them."""
     d, h, L = args.dim, args.hidden_dim, args.n_layers
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim  # q need not be dim wide (head_dim given)
     per_layer = 2 * d * q + 2 * d * kv + 3 * d * h
     n = L * per_layer + args.vocab_size * d  # the output projection; embedding lookups are free
-    return 6 * n + 12 * L * q * seq_len
+    return (4 if frozen else 6) * n + 12 * L * q * seq_len
 
 
 # dense bf16 FLOP/s per device (float32 runs on TF32 tensor cores at half of it)
@@ -630,20 +631,35 @@ def weights_only(state):
     return {k: v for k, v in state.items() if not k.endswith(".learned_scale")}
 
 
+def _max_scales(w, fq):
+    """The scales torchao's dynamic fake quantizer computes for weight rows w, shaped as fq's."""
+    scale, _ = get_group_qparams_symmetric(w.float(), _DTYPE_TO_BIT_WIDTH[fq.config.dtype], fq.config.granularity.group_size,
+                                           torch.float32, eps=fq.config.eps)
+    return scale.view(w.shape[0], -1).to(w.dtype)
+
+
 @torch.no_grad()
 def initial_scales(m, state):
     """{name: scales} for each LearnedScaleFakeQuantizer of m, computed from the weights in the
     state dict `state` as torchao's dynamic fake quantizer computes them: training starts where
-    plain QAT would."""
-    out = {}
-    for path, mod in m.named_modules():
+    plain QAT would (exactly in float32; in bfloat16 with the same scales, but the weights divided
+    by them in float32, as the conversion does, where torchao's bf16 fake quant rounds about 1% of
+    them to the neighbouring level)."""
+    return {f"{path}.weight_fake_quantizer.learned_scale": _max_scales(state[f"{path}.weight"], mod.weight_fake_quantizer)
+            for path, mod in m.named_modules() if isinstance(getattr(mod, "weight_fake_quantizer", None), LearnedScaleFakeQuantizer)}
+
+
+@torch.no_grad()
+def restart_scales(m):
+    """Sets every learned scale of m from its layer's weights as they are now: when fake quant
+    starts after full-precision steps, the weights have moved since the scales were set. On FSDP
+    shards too: a weight and its scales have the same rows, so each rank's shards match."""
+    for mod in m.modules():
         fq = getattr(mod, "weight_fake_quantizer", None)
         if isinstance(fq, LearnedScaleFakeQuantizer):
-            w = state[f"{path}.weight"]
-            scale, _ = get_group_qparams_symmetric(w.float(), _DTYPE_TO_BIT_WIDTH[fq.config.dtype], fq.config.granularity.group_size,
-                                                   torch.float32, eps=fq.config.eps)
-            out[f"{path}.weight_fake_quantizer.learned_scale"] = scale.view(w.shape[0], -1).to(w.dtype)
-    return out
+            w, s = (t.to_local() if hasattr(t, "to_local") else t for t in (mod.weight, fq.learned_scale))
+            if w.numel():  # a rank may hold no rows of a small layer
+                s.copy_(_max_scales(w, fq))
 
 
 # ---------------------------------------------------------------------------------------------

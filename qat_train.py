@@ -49,7 +49,7 @@ from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_execut
                         load_sharded_checkpoint, save_training_checkpoint, sharded_dir, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
-                   initial_scales, learn_scales, merge_lora, peak_flops, weights_only)
+                   initial_scales, learn_scales, merge_lora, peak_flops, restart_scales, weights_only)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -123,7 +123,8 @@ seed = 1337
 from configurator import ConfigError, check_training, configure
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
-                                                    "log_interval", "ckpt_interval"))
+                                                    "log_interval", "ckpt_interval", "group_size", "grad_clip",
+                                                    "replicate_degree"))
 
 # derived values and checks: every mistake a user can make fails here, before any real work
 torchrun = "RANK" in os.environ  # launched by torchrun: the process group comes from its variables
@@ -170,7 +171,10 @@ if init_from == "scratch":
     shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
     for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
         shape[key] = value or shape.get(key)
-    model_args = ModelArgs(**shape)
+    try:
+        model_args = ModelArgs(**shape)
+    except ValueError as e:  # a shape that cannot be, e.g. n_head not dividing n_embd
+        fail(str(e))
 elif sharded_from:  # the small things now; every rank reads its shards once the model is sharded
     ckpt = torch.load(os.path.join(sharded_from, "state.pt"), map_location="cpu", weights_only=True)
     model_args = ModelArgs.from_dict(ckpt["model_args"])
@@ -188,6 +192,9 @@ else:
     ckpt_file = resume_path if os.path.isfile(resume_path) else os.path.join(resume_path, "ckpt.pt")
     if os.path.isfile(ckpt_file):  # a nanotune checkpoint: resume also takes its optimizer and position
         ckpt = torch.load(ckpt_file, map_location="cpu", mmap=True, weights_only=True)
+        if any(type(v) is not torch.Tensor for v in ckpt.get("model", {}).values()):  # torchao's quantized tensors
+            fail(f"{ckpt_file} holds a converted (integer) model, which does not train; give the checkpoint it was "
+                 f"converted from (its ckpt.pt)")
 if init_from != "scratch":
     if data_tokenizer and (theirs := tokenizer_of(resume_path, ckpt, data_tokenizer.get("kind"))) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{resume_path} was trained with another tokenizer than the data in {data_dir} ({diff}); "
@@ -209,7 +216,8 @@ quant_settings = ("quantizer", "group_size", "quantize_embedding", "quant_skip",
 if init_from == "resume":  # these decide which batches a step sees, or what the weights were trained for
     try:
         check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "fake_quant_after_n_steps",
-                                    "preset", "n_layer", "n_head", "n_kv_head", "n_embd") + quant_settings, data_meta, resume_path)
+                                    "preset", "n_layer", "n_head", "n_kv_head", "n_embd") + quant_settings, data_meta, resume_path,
+                     "qat_train.py")
     except ValueError as e:
         fail(str(e))
 # whether the loaded weights were trained with this very fake quantization (so converting them is QAT)
@@ -457,6 +465,11 @@ if init_from == "resume":
         torch.set_rng_state(ckpt["rng"][rank]["cpu"])
         if device_type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
+    # the loaded state brings its run's settings too: this run's, as printed above, apply from here
+    group_of = {p: g for g in groups for p in g["params"]}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group.update({k: v for k, v in group_of[group["params"][0]].items() if k != "params"}, betas=(beta1, beta2))
     if master_process:
         print(f"resumed from {resume_path} at step {iter_num}")
 ckpt = None  # free the optimizer state held by rank 0
@@ -555,12 +568,19 @@ def save_checkpoint():
     rngs = [None] * world_size
     dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None})
-    small = {"model_args": vars(model_args).copy(), "iter_num": iter_num, "epoch": iter_num // max(steps_per_epoch, 1),
-             "config": config, "quantizer": quantizer, "group_size": group_size,
+    small = {"script": "qat_train.py", "model_args": vars(model_args).copy(), "iter_num": iter_num,
+             "epoch": iter_num // max(steps_per_epoch, 1), "config": config, "quantizer": quantizer, "group_size": group_size,
              # how these weights were trained (the last step taken), as ckpt_fake_quant reads it
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
              "tokenizer": data_tokenizer, "data": data_meta.get("data"), "rng": rngs}
     save_training_checkpoint(model, optimizers, small, out_dir, sharded_checkpoint)
+
+
+def _json_or_none(line):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
 log_file = None
@@ -569,14 +589,20 @@ if master_process:
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")
         print(f"{log_path} held an earlier run's log: moved to log.jsonl.prev")
-    log_file = open(log_path, "a+")
-    if init_from == "resume":  # the lines of steps after the checkpoint are about to be redone
-        log_file.seek(0)
-        records = [json.loads(line) for line in log_file]  # an event at the resumed step comes again
-        kept = [json.dumps(r) + "\n" for r in records if r["iter"] < iter_num or (r["iter"] == iter_num and "event" not in r)]
-        log_file.seek(0)
-        log_file.truncate()
-        log_file.writelines(kept)
+    if init_from == "resume" and os.path.exists(log_path):
+        # the lines of steps after the checkpoint, an event at its step and the summary are about to
+        # come again; the rest is rewritten to a temp file and renamed, so a kill keeps one whole log
+        # (a line a kill tore in half is dropped)
+        with open(log_path) as f:
+            records = [r for r in map(_json_or_none, f) if r is not None]
+        kept = [json.dumps(r) + "\n" for r in records
+                if (r["iter"] < iter_num or r["iter"] == iter_num and "event" not in r) and "fp_val_loss" not in r]
+        with open(log_path + ".tmp", "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(log_path + ".tmp", log_path)
+    log_file = open(log_path, "a")
 wandb = None
 if wandb_log and master_process:
     import wandb
@@ -591,7 +617,7 @@ def log(record):
             wandb.log(record, step=record["iter"])
 
 
-def peak_memory_gb():
+def peak_memory_gib():
     if device_type == "cuda":
         return torch.cuda.max_memory_allocated() / 2 ** 30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
@@ -633,6 +659,8 @@ with profiler as prof:
     while iter_num < max_iters and not convert_only:
         if quant_bits is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
             set_fake_quant(model, True)
+            if range_learning:  # scales for the weights as they are now, not as they were at step 0
+                restart_scales(model)
             if master_process:
                 pbar.write(f"step {iter_num}: fake quant enabled")
             log({"iter": iter_num, "event": "fake_quant_enabled"})
@@ -678,7 +706,7 @@ with profiler as prof:
                       # FSDP's gradients are DTensors, and so is their norm
                       "grad_norm": None if optimizer_in_bwd else grad_norm.full_tensor().item(),
                       "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world_size,
-                      "mfu": mfu, "peak_mem_gb": peak_memory_gb(), "fake_quant": fake_quant_on(iter_num - 1)}
+                      "mfu": mfu, "peak_mem_gib": peak_memory_gib(), "fake_quant": fake_quant_on(iter_num - 1)}
             log(record)
             pbar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.1e}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.0%}")
         t_pause = time.perf_counter()  # evaluation and checkpoints are not training time

@@ -111,10 +111,11 @@ def timed_generate(n):
     return y, time.perf_counter() - t0
 
 
-# time to the first token (prefill and one step; warms up too), subtracted below, so tokens/s
-# measures generation alone
-_, t_first = timed_generate(1)
+# tokens/s measures generation alone: each sample's time less the time to its first token
+# (prefill and one step), timed warm just before it; the very first call warms up and is not timed
+timed_generate(1)
 for _ in range(num_samples):
+    _, t_first = timed_generate(1)
     y, dt = timed_generate(max_new_tokens)
     n_new = y.shape[1] - x.shape[1]
     print(tok.decode(y[0, int(tok.bos_id is not None):].tolist()))

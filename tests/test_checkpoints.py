@@ -86,11 +86,13 @@ def hf_reference_logits(sd, cfg, tokens):
 
 
 def test_meta_round_trip(tmp_path):
-    args = toy_args()
+    args = toy_args(max_seq_len=4096)
     model = build(args)
     export_meta(model.state_dict(), args, tmp_path / "meta")
     args2, sd = load_checkpoint(str(tmp_path / "meta"))
     same_shape_args(args, args2)
+    assert args2.max_seq_len == 4096  # kept in nanotune.json: not a params.json key Meta's loader accepts
+    assert "max_seq_len" not in json.loads((tmp_path / "meta" / "params.json").read_text())
     assert torch.equal(logits_of(args2, sd), model(TOKENS))
     # exporting again replaces the directory and leaves no temp directories behind
     export_meta(model.state_dict(), args, tmp_path / "meta")
@@ -321,8 +323,10 @@ def test_hf_config_inconsistent_with_weights(tmp_path):
         (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ValueError, match=message):
             load_checkpoint(str(tmp_path / "hf"))
+    # tied, beside an lm_head unlike the embedding: transformers 4 drops it, 5 keeps it; refused
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
-    assert load_checkpoint(str(tmp_path / "hf"))[0].tie_embeddings  # transformers, too, drops lm_head then
+    with pytest.raises(ValueError, match="tie_word_embeddings true, yet the weights hold an lm_head.weight"):
+        load_checkpoint(str(tmp_path / "hf"))
 
 
 def test_export_refuses_missing_tokenizer_file(tmp_path):

@@ -121,6 +121,10 @@ def test_qat_train_writes_pte(tmp_path):
     out_logits = et(x, torch.arange(64))
     assert abs(F.cross_entropy(out_logits[0, :-1], x[0, 1:]) - F.cross_entropy(ref[0, :-1], x[0, 1:])) < 0.01
     assert et.generate(x[:, :8], 16).shape == (1, 24)
+    # exported again from the file, as sample.py --export_pte and bench.py deploy do (loaded with
+    # assign=True, whose integer weights keep requires_grad): the same program
+    export_executorch(q, str(tmp_path / "again.pte"))
+    torch.testing.assert_close(ExecuTorchModel(str(tmp_path / "again.pte"))(x, torch.arange(64)), out_logits)
 
 
 def test_script_refusals(tmp_path):

@@ -185,6 +185,17 @@ def test_hf_refusals(tmp_path, change, message):
     assert "\n" not in str(e.value) and "config.json" in str(e.value)
 
 
+def test_hf_tied_config_with_its_own_lm_head(tmp_path):
+    # tie_word_embeddings true beside an lm_head.weight unlike the embedding: transformers 4 ties
+    # (drops it), 5 keeps it untied; loading either way would be wrong for one of them
+    path = save_hf(hf_model("llama3"), tmp_path / "hf", "5.x")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match=r"tie_word_embeddings true, yet the weights hold an lm_head.weight") as e:
+        load_checkpoint(str(path))
+    assert "\n" not in str(e.value)
+
+
 def test_hf_missing_shard(tmp_path):
     path = save_hf(hf_model("llama3"), tmp_path / "hf", "5.x")
     os.rename(path / "model.safetensors", path / "model-00001-of-00002.safetensors")
@@ -233,7 +244,8 @@ def test_export_meta_round_trip_keeps_scaling_and_tie(tmp_path):
     args2, sd2 = load_checkpoint(str(tmp_path / "meta"))
     assert args2.tie_embeddings and args2.rope_scaling == args.rope_scaling and args2.head_dim == 32
     assert torch.equal(nanotune_logits(args2, sd2), nanotune_logits(args, sd))
-    assert load_provenance(str(tmp_path / "meta")) == {"kind": "test"}
+    assert load_provenance(str(tmp_path / "meta")) == {"kind": "test", "max_seq_len": args.max_seq_len}
+    assert args2.max_seq_len == args.max_seq_len
 
 
 @pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 8B/70B/405B; Llama 3.2 1B/3B

@@ -183,6 +183,10 @@ def test_refusals(runs, tmp_path):
         (dict(common, teacher_topk_dir=str(tmp_path / "none")), "no store"),
         (dict(common, teacher_topk_dir=store, topk_write=True, teacher_topk=16), "other k"),
         (dict(common, topk_write=True, teacher_topk=V + 1, teacher_topk_dir=str(tmp_path / "s")), "exceeds"),
+        # training from a store, the store is the teacher: settings naming another are refused
+        (dict(common, teacher_topk_dir=store, teacher_topk=4), "holds the top 8"),
+        (dict(common, teacher_topk_dir=store, teacher_topk=256), "holds the top 8"),  # the default, given explicitly
+        (dict(common, teacher_topk_dir=store, teacher_init=str(runs["student"])), "was written from"),
     ]
     results = run_early_exits("kd_train.py", [(settings, None) for settings, _ in cases])
     for (settings, words), r in zip(cases, results):
@@ -191,3 +195,16 @@ def test_refusals(runs, tmp_path):
     # a complete store is not rewritten
     r = run_early_exits("kd_train.py", [(dict(common, teacher_topk_dir=store, topk_write=True, teacher_topk=8), None)])[0]
     assert r.returncode == 0 and "complete" in r.stdout
+    # nor extended by a teacher retrained in place: the store knows its teacher's bytes, not only its path
+    moved = tmp_path / "moved"
+    shutil.copytree(store, moved)
+    with open(moved / "meta.json") as f:
+        meta = json.load(f)
+    with open(moved / "meta.json", "w") as f:
+        json.dump({**meta, "teacher_init": str(tmp_path / "t.pt")}, f)
+    write = dict(common, teacher_topk_dir=str(moved), topk_write=True, teacher_topk=8, teacher_init=str(tmp_path / "t.pt"))
+    for source, code in ((runs["teacher"], 0), (runs["student"], 2)):  # the same teacher's bytes, then another's
+        shutil.copy(source, tmp_path / "t.pt")
+        r = run_early_exits("kd_train.py", [(write, None)])[0]
+        assert r.returncode == code, r.stderr
+    assert "teacher_digest" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -431,6 +431,7 @@ def misc_runs(setup, tmp_path_factory):
         "jsd_beta_without_jsd": dict(common, jsd_beta=0.3),
         "group_size_without_quantizer": dict(common, group_size=64),
         "range_learning_without_quantizer": dict(common, range_learning=True),
+        "teacher_topk_online": dict(common, teacher_topk=256),  # the default, given explicitly
     }
     for name, s in cases.items():
         s["out_dir"] = str(out / name)
@@ -484,6 +485,25 @@ def test_qad_learned_scales_resume_and_convert(setup, tmp_path):
     assert moved == pytest.approx(0.01 * lr, rel=2e-2)  # float32 rounding of the scales
 
 
+def test_qad_delayed_learned_scales_and_resume_settings(setup, tmp_path):
+    # with fake quant from step 1 the learned scales start from step 1's weights: that step is the
+    # dynamic-scale run's; a resume trains with its own weight decay, betas and scale learning
+    # rate, not those of the optimizer state it loads
+    common = dict(BASE, data_dir=setup["data"], init_from=setup["teacher"], teacher_init=setup["teacher"],
+                  quantizer="8da2w", max_iters=2, learning_rate=1e-2, kd_ratio=0.5)
+    learned, dynamic, resumed = (str(tmp_path / n) for n in ("learned", "dynamic", "resumed"))
+    run_in_one_process([("kd_train.py", dict(common, out_dir=learned, range_learning=True, fake_quant_after_n_steps=1)),
+                        ("kd_train.py", dict(common, out_dir=dynamic, fake_quant_after_n_steps=1)),
+                        ("kd_train.py", dict(common, out_dir=resumed, range_learning=True, max_iters=1, range_lr_ratio=0.01)),
+                        ("kd_train.py", dict(common, out_dir=resumed, range_learning=True, init_from="resume", weight_decay=0.0,
+                                             beta2=0.99))], tmp_path)
+    a, b = (train_lines(read_log(d))[1] for d in (learned, dynamic))
+    assert a["fake_quant"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    groups = torch.load(os.path.join(resumed, "ckpt.pt"), weights_only=True)["optimizer"]["param_groups"]
+    assert all(g["weight_decay"] == 0.0 and tuple(g["betas"]) == (0.9, 0.99) for g in groups)
+    assert [g.get("lr_ratio") for g in groups][-1] == 1.0
+
+
 ERRORS = {
     "kd_divergence": "kd_divergence='kl' is unknown",
     "kd_ratio": "kd_ratio=1.5 and jsd_beta=0.5 are weights: each must lie in [0, 1]",
@@ -496,6 +516,7 @@ ERRORS = {
     "jsd_beta_without_jsd": "jsd_beta only matters with kd_divergence='jsd'",
     "group_size_without_quantizer": "group_size only matter with a quantizer",
     "range_learning_without_quantizer": "range_learning only matter with a quantizer",
+    "teacher_topk_online": "teacher_topk only matters with a top-k store",
 }
 
 

@@ -431,6 +431,8 @@ def test_flops_per_token_counts_model_weights(args):
     assert "output.weight" in dict(model.named_parameters())
     for T in (1, 256, 4096):
         assert flops_per_token(args, T) == 6 * n + 12 * args.n_layers * args.dim * T
+        # frozen (LoRA's base): forward and the inputs' gradient only
+        assert flops_per_token(args, T, frozen=True) == 4 * n + 12 * args.n_layers * args.dim * T
 
 
 def test_model_args_validation():

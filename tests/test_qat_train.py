@@ -177,6 +177,16 @@ def test_fake_quant_switches_on_at_step_n(train):
     assert weights(train(**QAT)).keys() == weights(train()).keys()  # fake quant adds no state
 
 
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one_process", "two_processes"])
+def test_learned_scales_start_from_the_weights_where_fake_quant_starts(train, nproc):
+    # with fake quant from step N the learned scales are set from step N's weights, not step 0's:
+    # that first fake-quantized step is plain QAT's step, which computes its scales then (on two
+    # processes each rank sets the scales of its own rows)
+    qat = dict(QAT, quantizer="8da2w", max_iters=N + 1)
+    learned, dynamic = losses(read_log(train(nproc, **qat, range_learning=True))), losses(read_log(train(nproc, **qat)))
+    assert learned[N + 1] == pytest.approx(dynamic[N + 1], rel=1e-5)
+
+
 def test_resume_across_fake_quant_switch(train, data, tmp_path):
     # stop a 6-step run (lr_decay_iters keeps its schedule) at 1 (before N), at N and at 4 (after
     # N); each resume must continue exactly as the straight run
@@ -245,6 +255,19 @@ def test_default_accumulation_and_hsdp_under_torchrun(train, data):
     # HSDP: 2 replicas of a 1-process shard compute what plain FSDP over 2 processes does
     hsdp = read_log(train(nproc=2, replicate_degree=2, **settings))
     assert_same_losses(losses(hsdp), losses(plain), rel=1e-5)
+
+
+def test_resume_rewrites_the_log_whole(train, data, tmp_path):
+    # resuming a finished run (after a kill that tore the log's last line in half) redoes the final
+    # evaluation: the log keeps each step once, one summary, and no torn line
+    out = tmp_path / "done"
+    shutil.copytree(train(), out)
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"iter": 6, "lo')
+    run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": out, "init_from": "resume"})
+    log = read_log(out)
+    assert sorted(losses(log)) == list(range(1, 7)) and len([r for r in log if "loss" in r]) == 6
+    assert len([r for r in log if "fp_val_loss" in r]) == 1 and not (out / "log.jsonl.tmp").exists()
 
 
 def test_resume_refuses_other_data(train, tmp_path):
@@ -368,6 +391,20 @@ def test_range_learning_scales_survive_resume_and_conversion(train, data, tmp_pa
                    "convert_only": True})
     assert summary(read_log(again))["method"] == "qat"
     assert summary(read_log(again))["quant_val_loss"] == pytest.approx(s["quant_val_loss"], rel=1e-6)
+
+
+def test_resume_applies_this_runs_optimizer_settings(data, tmp_path):
+    # the optimizer state a resume loads carries the first run's weight decay, betas and scale
+    # learning rate; the resumed run trains with its own, as its printed config says
+    out = tmp_path / "res"
+    settings = {**BASE, **QAT, "quantizer": "8da2w", "fake_quant_after_n_steps": 0, "range_learning": True,
+                "data_dir": data, "out_dir": out}
+    run(SCRIPT, **{**settings, "max_iters": 2, "weight_decay": 0.1, "beta2": 0.95, "range_lr_ratio": 0.01})
+    run(SCRIPT, **{**settings, "max_iters": 3, "init_from": "resume", "weight_decay": 0.0, "beta2": 0.99, "range_lr_ratio": 1.0})
+    groups = torch.load(out / "ckpt.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert len(groups) == 3
+    assert all(g["weight_decay"] == 0.0 and tuple(g["betas"]) == (0.9, 0.99) for g in groups)
+    assert [g.get("lr_ratio") for g in groups] == [None, None, 1.0]
 
 
 def test_compiled_steps_equal_eager(train):
@@ -514,6 +551,9 @@ def test_errors(train, data, tmp_path):
     other_quantizer = tmp_path / "other_quantizer"
     other_quantizer.mkdir()
     shutil.copy(train() / "ckpt.pt", other_quantizer / "ckpt.pt")  # trained with quantizer='none'
+    other_script = tmp_path / "other_script"
+    other_script.mkdir()
+    torch.save({**torch.load(train() / "ckpt.pt", weights_only=True), "script": "kd_train.py"}, other_script / "ckpt.pt")
     cases = {  # name: (settings, extra env, words the message must contain)
         "unknown quantizer": (dict(quantizer="8da9w"), {}, ["quantizer='8da9w'"]),
         "group_size": (dict(quantizer="8da4w", group_size=48), {}, ["group_size=48"]),  # 48 does not divide 64
@@ -526,6 +566,7 @@ def test_errors(train, data, tmp_path):
         "float16": (dict(dtype="float16"), {}, ["dtype='float16'"]),
         "mixed precision in fp32": (dict(mixed_precision=True), {}, ["mixed_precision"]),
         "resume without checkpoint": (dict(init_from="resume"), {}, ["init_from='resume'", "ckpt.pt"]),
+        "resume another script's run": (dict(init_from="resume", out_dir=str(other_script)), {}, ["written by kd_train.py"]),
         "resume with another quantizer": (dict(init_from="resume", quantizer="8da4w", out_dir=str(other_quantizer)),
                                           {}, ["quantizer='none'"]),
         "optimizer_in_bwd with accumulation": (dict(optimizer_in_bwd=True, grad_clip=float("inf")), {},
@@ -536,6 +577,11 @@ def test_errors(train, data, tmp_path):
         "shape with a checkpoint": (dict(init_from=str(train() / "ckpt.pt"), n_layer=3), {}, ["n_layer", "init_from"]),
         "quant_skip prefix": (dict(quantizer="8da4w", quant_skip=("layers.1", "lm_head")), {}, ["['lm_head']"]),
         "zero batch": (dict(batch_size=0), {}, ["batch_size=0", "positive"]),
+        "zero grad_clip": (dict(grad_clip=0.0), {}, ["grad_clip=0.0", "positive"]),  # would zero every gradient
+        "zero group_size": (dict(quantizer="8da4w", group_size=0), {}, ["group_size=0", "positive"]),
+        "zero replicate_degree": (dict(replicate_degree=0), {}, ["replicate_degree=0", "positive"]),
+        "impossible shape": (dict(n_head=3), {}, ["n_heads=3"]),
+        "converted model": (dict(init_from=str(train(**QAT) / "quantized.pt")), {}, ["converted", "ckpt.pt"]),
         "quant setting without quantizer": (dict(fake_quant_after_n_steps=5), {}, ["fake_quant_after_n_steps", "quantizer='none'"]),
     }
 

@@ -75,6 +75,20 @@ def test_sharded_resume_is_bit_exact(data, tmp_path):
     assert first[0] == first[1]
 
 
+def test_single_file_save_clears_a_stale_ckpt_old(data, tmp_path):
+    # resumed from the ckpt.old a crash left, a run that saves single files must not leave it: the
+    # next resume (or init_from=out_dir) would take it over the newer ckpt.pt
+    out = tmp_path / "out"
+    run("qat_train.py", env=ENV, **{**BASE, "data_dir": data, "out_dir": out, "max_iters": 2})
+    os.replace(out / "ckpt", out / "ckpt.old")
+    run("qat_train.py", env=ENV, **{**BASE, "data_dir": data, "out_dir": out, "max_iters": 3, "init_from": "resume",
+                                    "sharded_checkpoint": False})
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt")) == ["ckpt.pt"]
+    r = run("qat_train.py", env=ENV, **{**BASE, "data_dir": data, "out_dir": out, "max_iters": 4, "init_from": "resume",
+                                        "sharded_checkpoint": False})
+    assert "at step 3" in r.stdout
+
+
 def test_two_processes_save_one_resumes(data, tmp_path):
     # without fake quant, whose rounding would turn the float noise of another summation order
     # into flips that Adam then amplifies
