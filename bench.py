@@ -62,6 +62,7 @@ import time
 import numpy as np
 import torch
 
+from checkpoint import checkpoint_digest, load_checkpoint
 from model import LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -96,10 +97,12 @@ def summary(records):
 
 
 def run_once(script, args, out_dir, nproc=1, quiet=True):
-    """run(), unless out_dir holds a finished run of exactly these arguments: the plain finetunes
-    and PTQ evaluations are then shared by every QAT/QAD setting compared against them."""
+    """run(), unless out_dir holds a finished run of exactly these arguments and input checkpoints:
+    the plain finetunes and PTQ evaluations are then shared by every QAT/QAD setting compared
+    against them, and a base trained again differently is not mistaken for the one they started from."""
     stamp, log_path = os.path.join(out_dir, "bench_args.json"), os.path.join(out_dir, "log.jsonl")
-    key = json.loads(json.dumps({"script": script, "nproc": nproc, **args}))
+    inputs = {k: checkpoint_digest(args[k]) for k in ("init_from", "teacher_init") if os.path.exists(str(args.get(k, "")))}
+    key = json.loads(json.dumps({"script": script, "nproc": nproc, **args, "input_digests": inputs}))
     if os.path.exists(stamp) and os.path.exists(log_path):
         with open(stamp) as f:
             if json.load(f) == key:
@@ -184,14 +187,13 @@ def speed(opt):
     mems = {key: 0.0 for key, _, _ in variants}
     tokens_step = opt.batch_size * opt.block_size * opt.nproc
     forwards = {dtype: [] for dtype in opt.dtypes.split(",")}  # seconds per teacher forward, one process
-    from checkpoint import load_checkpoint
     teacher_model = load_checkpoint(teacher)  # (args, state), read once for every round's forwards
     for r in range(opt.rounds):
         for key, script, args in variants:
             recs = [x for x in run(script, args, os.path.join(out, "_".join(map(str, key)))) if "loss" in x]
             times[key] += [tokens_step / x["tokens_per_sec"] for x in recs[opt.warmup:]]
             mfus[key] += [x["mfu"] for x in recs[opt.warmup:]]
-            mems[key] = max(mems[key], recs[-1]["peak_mem_gb"])
+            mems[key] = max(mems[key], recs[-1]["peak_mem_gib"])
             print(f"round {r + 1}/{opt.rounds} {'/'.join(map(str, key)):>22}: {1e3 * statistics.median(times[key]):8.1f} ms/step")
         if opt.nproc == 1 and "0" in opt.compile.split(","):  # the bound of the eager KD step
             for dtype in forwards:
@@ -205,12 +207,12 @@ def speed(opt):
                 tps = tokens_step / t
                 res = dict(dtype=dtype, compile=bool(comp), step=kind, ms_per_step=1e3 * t, tokens_per_sec=tps,
                            tokens_per_sec_per_device=tps / opt.nproc, ratio_to_plain=t / plain,
-                           mfu=statistics.median(mfus[(dtype, comp, kind)]), peak_mem_gb=mems[(dtype, comp, kind)])
+                           mfu=statistics.median(mfus[(dtype, comp, kind)]), peak_mem_gib=mems[(dtype, comp, kind)])
                 results.append(res)
                 rows.append(f"| {dtype} | {'compiled' if comp else 'eager'} | {kind} | {res['ms_per_step']:.1f} | "
                             f"{tps:,.0f} | {tps / opt.nproc:,.0f} | {res['ratio_to_plain']:.2f}x | {100 * res['mfu']:.0f}% | "
-                            f"{res['peak_mem_gb']:.2f} |")
-    table = ["| dtype | mode | step | ms/step | tokens/s | tokens/s/device | vs plain | MFU | peak mem GB |",
+                            f"{res['peak_mem_gib']:.2f} |")
+    table = ["| dtype | mode | step | ms/step | tokens/s | tokens/s/device | vs plain | MFU | peak mem GiB |",
              "|---|---|---|---|---|---|---|---|---|"] + rows
     notes = []
     ms = {(r["dtype"], r["compile"], r["step"]): r["ms_per_step"] for r in results}
@@ -380,8 +382,8 @@ def activation_bytes(args, c, qat=False):
     """Bytes autograd keeps per token for one transformer block's backward, c bytes per element of
     the compute dtype: per token (B*T of them) and per block (the fake-quantized weights QAT's
     forward keeps). Counted with saved_tensors_hooks on CPU (float32 and bfloat16, torch 2.13,
-    SDPA's fused kernel: no T x T attention matrix, as on GPUs) and exact there for plain
-    training; the QAT terms are a fit to float32 measurements (within 2%). tests/test_bench.py
+    SDPA's fused kernel: no T x T attention matrix, as on GPUs), exact there for plain training
+    and for QAT with the scripts' fused fake quantizers in eager mode. tests/test_bench.py
     measures them again."""
     d, q, kv, h = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
     # the block's input, norms' outputs, q, k, v and their RoPE'd copies, the attention output,
@@ -389,9 +391,10 @@ def activation_bytes(args, c, qat=False):
     # attention's log-sum-exp and the norms' reciprocal RMS in fp32
     per_token = c * (4 * d + 4 * q + 2 * kv + 4 * h) + (2 * (d + q) if c == 2 else 0) + 4 * args.n_heads + 8
     per_block = 0
-    if qat:  # each linear's fake-quantized input, and two weight-sized tensors per linear weight
-        per_token += c * (5 * (d + q) + h)
-        per_block = 2 * c * (2 * d * q + 2 * d * kv + 3 * d * h)
+    if qat:  # a bool clamp mask per fake-quantized input (q/k/v and w1/w3 share theirs) and weight,
+        # one more block-input-wide tensor, and each fake-quantized weight
+        per_token += (2 * d + q + h) + c * d
+        per_block = (c + 1) * (2 * d * q + 2 * d * kv + 3 * d * h)
     return per_token, per_block
 
 
@@ -483,7 +486,11 @@ def deploy(opt):
     et = ExecuTorchModel(pte)
     files = {"full precision": fp_file, "converted": os.path.join(qat_dir, "quantized.pt"), "executorch": pte}
 
-    val = np.fromfile(os.path.join(opt.data_dir, "val.bin"), dtype=np.uint16).astype(np.int64)
+    with open(os.path.join(opt.data_dir, "meta.json")) as f:
+        data_meta = json.load(f)
+    if data_meta.get("packed"):  # padded rows with masks and positions: not one stream to slide over
+        sys.exit(f"error: {opt.data_dir} holds packed prompt/response samples; give --data_dir of plain text data")
+    val = np.fromfile(os.path.join(opt.data_dir, "val.bin"), dtype=data_meta["dtype"]).astype(np.int64)  # uint32 past 65,536 ids
     T = min(opt.block_size, et.max_seq_len)
     windows = [torch.from_numpy(val[i:i + T + 1])[None] for i in range(0, len(val) - T - 1, T)][:opt.eval_windows]
     prompt = torch.from_numpy(val[:opt.prompt_tokens])[None]
