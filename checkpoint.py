@@ -57,7 +57,8 @@ META_SHARD_DIM = {"tok_embeddings": 1, "wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3":
 # what Meta's own ModelArgs accepts; not max_seq_len, which its loader passes separately
 META_PARAMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
                "norm_eps", "rope_theta")
-# Meta's use_scaled_rope has these values built into its code (factor, low, high, original context)
+# Meta's use_scaled_rope has these values built into its code (factor, low, high, original context);
+# Llama 3.2 1B/3B need factor 32 (see _load_meta)
 META_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)
 META_ROPE_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 # params.json keys read here: Meta's, Mistral's, and nanotune's own for scalings Meta's code cannot
@@ -94,6 +95,8 @@ def load_checkpoint(path, weights=True):
         return _load_meta(path, weights)
     if os.path.isfile(os.path.join(path, "config.json")):
         return _load_hf(path, weights)
+    if d := sharded_dir(path):  # the training scripts resume these; everything else reads one file
+        raise ValueError(f"{path!r} is a sharded training checkpoint; convert it with {TO_SINGLE_FILE.format(d)} and give {d + '.pt'!r}")
     raise ValueError(NOT_A_CHECKPOINT.format(path))
 
 
@@ -264,9 +267,8 @@ def _load_meta(path, weights=True):
     if unknown:
         raise ValueError(f"{where} has {unknown[0]}={params[unknown[0]]!r}, which nanotune does not implement")
     rope = {k: params.pop(k) for k in META_ROPE_KEYS if k in params}
-    if params.pop("use_scaled_rope", False):
-        params.update({**dict(zip(META_ROPE_KEYS, META_ROPE_SCALING)), **rope})
-    elif rope:
+    scaled = params.pop("use_scaled_rope", False)
+    if rope and not scaled:
         raise ValueError(f"{where} has {sorted(rope)} without use_scaled_rope=true; add it or remove them")
     if "hidden_dim" in params and "rope_theta" not in params:
         # Mistral's code and Llama 2's default theta differently when the file leaves it out
@@ -276,8 +278,14 @@ def _load_meta(path, weights=True):
     # Meta's tied models (Llama 3.2 1B/3B) store output.weight as a copy of the embedding; they are
     # loaded tied, so training keeps them tied. Models that big are never split into shards.
     first = shards[0]
-    if len(shards) == 1 and _same(first.get("output.weight"), first.get("tok_embeddings.weight")):
+    tied = len(shards) == 1 and _same(first.get("output.weight"), first.get("tok_embeddings.weight"))
+    if tied:
         del first["output.weight"]
+    if scaled:
+        # Meta's params.json names no factor, and its code hard-codes 8, right for Llama 3.1, 3.2 11B/90B
+        # and 3.3; Llama 3.2 1B and 3B, the tied ones, were trained with 32 (their config.json, and
+        # meta-llama/llama-models#241): loaded with 8, they degrade past 8k tokens with no error
+        params.update({**dict(zip(META_ROPE_KEYS, META_ROPE_SCALING)), **({"rope_scaling_factor": 32.0} if tied else {}), **rope})
     if not weights:
         shards = [_shapes_only(shard) for shard in shards]
     sd = {}
@@ -547,7 +555,7 @@ def export_meta(state_dict, args, out_dir, tokenizer_files=(), provenance=None):
         params["sliding_window"] = args.sliding_window
     if args.rope_scaling is not None:
         params["use_scaled_rope"] = True
-        if args.rope_scaling != META_ROPE_SCALING:
+        if args.rope_scaling != META_ROPE_SCALING or args.tie_embeddings:  # _load_meta gives tied models 32
             params.update(zip(META_ROPE_KEYS, args.rope_scaling))
     with _atomic_dir(out_dir) as tmp:
         _write_json(params, os.path.join(tmp, "params.json"))

@@ -234,6 +234,24 @@ def test_meta_scaled_rope(tmp_path):
         load_checkpoint(str(path))
 
 
+def test_meta_llama32_scaled_rope_is_factor_32(tmp_path):
+    # Meta's Llama 3.2 1B/3B params.json says use_scaled_rope alone, and its code hard-codes factor 8;
+    # these tied models were trained with 32 (their config.json), which the loader gives them
+    args, sd = load_checkpoint(str(save_hf(hf_model("llama3.2"), tmp_path / "hf", "5.x")))
+    assert args.tie_embeddings and args.rope_scaling[0] == 32.0
+    args.rope_original_max_seq_len = 8192  # the real models' (the tiny one's context is shorter)
+    export_meta(sd, args, tmp_path / "meta")
+    params = json.loads((tmp_path / "meta" / "params.json").read_text())
+    (tmp_path / "meta" / "params.json").write_text(json.dumps({k: v for k, v in params.items() if not k.startswith("rope_")
+                                                                or k == "rope_theta"}))
+    args2, sd2 = load_checkpoint(str(tmp_path / "meta"))
+    assert args2.rope_scaling == (32.0, 1.0, 4.0, 8192) and torch.equal(nanotune_logits(args2, sd2), nanotune_logits(args, sd))
+    # a tied model with Meta's factor 8 says so in its export, and reads back with 8
+    args.rope_scaling_factor = 8.0
+    export_meta(sd, args, tmp_path / "meta8")
+    assert load_checkpoint(str(tmp_path / "meta8"))[0].rope_scaling == (8.0, 1.0, 4.0, 8192)
+
+
 def test_export_meta_round_trip_keeps_scaling_and_tie(tmp_path):
     args, sd = load_checkpoint(str(save_hf(hf_model("llama3.2"), tmp_path / "hf", "5.x")))
     export_meta(sd, args, tmp_path / "meta", provenance={"kind": "test"})

@@ -50,6 +50,8 @@ def test_sharded_resume_is_bit_exact(data, tmp_path):
     run("qat_train.py", env=ENV, **{**BASE, "data_dir": data, "out_dir": stopped, "max_iters": 3})
     assert sorted(os.listdir(stopped / "ckpt")) == [".metadata", "__0_0.distcp", "state.pt"]
     assert not (stopped / "ckpt.pt").exists()
+    with pytest.raises(ValueError, match=r"is a sharded training checkpoint; convert it with .*dcp_to_torch_save"):
+        load_checkpoint(str(stopped))  # what sample.py and every reader of one file says: the command to run
     # a crash between the two renames of a save: the previous checkpoint stepped aside, a half new one
     os.replace(stopped / "ckpt", stopped / "ckpt.old")
     (stopped / "ckpt.tmp").mkdir()
