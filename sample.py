@@ -35,12 +35,12 @@ temperature = 0.8  # 0 is greedy
 top_k = 200  # None keeps every token
 seed = 1337
 device = "cpu"
-dtype = "float32"  # of the full-precision weights; quantized ones keep their own
+dtype = "float32"  # of the full-precision weights (a converted model computes in the dtype it was converted in)
 export_pte = ""  # a path: write the converted model there as an ExecuTorch program (XNNPACK) instead of sampling
 # -----------------------------------------------------------------------------
 from configurator import configure
 
-configure(globals())
+_, overridden = configure(globals())
 
 torch.manual_seed(seed)
 # the tokenizer first: a wrong one would print confident garbage after a long load
@@ -74,8 +74,16 @@ if args.lora_rank:  # a LoRA student: sample from its merged weights
 args.tie_embeddings = False  # a tied checkpoint's state dict carries output.weight too
 with torch.device("meta"):
     model = Transformer(args)
-if ptdtype != torch.float32:
-    state = {k: v.to(ptdtype) if type(v) is torch.Tensor and v.is_floating_point() else v for k, v in state.items()}
+qdtypes = {v.dtype for v in state.values() if type(v).__module__.startswith("torchao")}
+if qdtypes:  # a converted model computes in the dtype it was converted in: its other weights follow
+    if len(qdtypes) > 1:
+        raise SystemExit(f"error: {init_from} holds quantized weights of several dtypes ({sorted(map(str, qdtypes))}); convert it again")
+    qdtype = next(iter(qdtypes))
+    if "dtype" in overridden and ptdtype != qdtype:
+        raise SystemExit(f"error: {init_from} is a converted model, which computes in {qdtype}; drop --dtype")
+    ptdtype = qdtype
+# every plain weight in ptdtype, whatever the file holds (a bf16 directory runs in float32 when asked)
+state = {k: v.to(ptdtype) if type(v) is torch.Tensor and v.is_floating_point() else v for k, v in state.items()}
 # quantized weights are torchao tensor subclasses that know how to multiply: assigning them
 # in place of the float parameters is all it takes to run the converted model
 model.load_state_dict(state, assign=True)
@@ -102,7 +110,8 @@ ids = ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(start)  # docume
 if not ids:
     raise SystemExit("error: --start is empty and the tokenizer has no BOS to start from; give a prompt")
 x = torch.tensor([ids], dtype=torch.long, device=device)
-print(f"{init_from}: {'quantized' if quantized else 'full precision'}, {sum(p.numel() for p in model.parameters()):,} parameters")
+print(f"{init_from}: {'quantized' if quantized else 'full precision'}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+      f"computing in {', '.join(sorted({str(p.dtype).removeprefix('torch.') for p in model.parameters()}))}")
 
 
 def timed_generate(n):

@@ -6,6 +6,8 @@ where a model and data meet."""
 
 import json
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -104,7 +106,21 @@ def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):
     # the tokenizer beside the checkpoint by default; another one is refused in one line
     r = run("sample.py", init_from=str(out / "ckpt.pt"), start="def f(x):", num_samples=1, max_new_tokens=5,
             temperature=0.0)
-    assert "tokens/s" in r.stdout
+    assert "tokens/s" in r.stdout and "computing in float32" in r.stdout
+    # a bfloat16 directory computes in the dtype asked for (float32 by default), not the file's
+    bf16 = tmp_path / "bf16"
+    transformers.LlamaForCausalLM.from_pretrained(hf_dir).to(torch.bfloat16).save_pretrained(bf16)
+    for f in os.listdir(hf_dir):
+        if f.startswith("tokenizer"):
+            shutil.copy(hf_dir / f, bf16 / f)
+    for dtype in ("float32", "bfloat16"):
+        r = run("sample.py", init_from=str(bf16), dtype=dtype, start="def f(x):", num_samples=1, max_new_tokens=3)
+        assert f"computing in {dtype}" in r.stdout, r.stdout
+    # a converted model computes in the dtype it was converted in; another one asked for is refused
+    r = run("sample.py", init_from=str(out / "quantized.pt"), start="def f(x):", num_samples=1, max_new_tokens=3)
+    assert "quantized" in r.stdout and "computing in float32" in r.stdout, r.stdout
+    r = run("sample.py", check=False, init_from=str(out / "quantized.pt"), dtype="bfloat16", max_new_tokens=3)
+    assert r.returncode != 0 and "is a converted model, which computes in torch.float32; drop --dtype" in r.stderr, r.stderr[-2000:]
     other = write_sentencepiece(tmp_path / "sp.model")
     r = run("sample.py", check=False, init_from=str(out / "ckpt.pt"), tokenizer=str(other), max_new_tokens=5)
     lines = [l for l in r.stderr.splitlines() if l.startswith("error")]
