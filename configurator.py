@@ -171,6 +171,21 @@ def configure(globals_dict, argv=None, print_config=True, positive=()):
         sys.exit(2)
 
 
+# the settings of the training loop alone, which a run that trains nothing (qat_train's convert_only,
+# kd_train's topk_write) refuses on its command line
+TRAINING_ONLY = ("max_iters", "learning_rate", "min_lr", "lr_decay_iters", "warmup_iters", "weight_decay", "beta1", "beta2",
+                 "grad_clip", "optimizer_in_bwd", "range_lr_ratio", "gradient_accumulation_steps", "accumulate_unsharded",
+                 "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "sharded_checkpoint", "fake_quant_after_n_steps",
+                 "activation_checkpointing", "activation_offloading", "profile", "profile_wait", "profile_warmup",
+                 "profile_active", "peak_flops_per_device", "seed")
+
+
+def command_line_keys(argv=None):
+    """The keys of the --key=value arguments in argv (default sys.argv[1:]): what this command asks
+    for, apart from its config files, which describe a whole job and may be shared between modes."""
+    return {a[2:].partition("=")[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+
+
 def check_training(c, overridden, world_size):
     """Checks of the settings both training scripts share, given the final config `c`, the keys
     the run sets (changed, or given explicitly) and the number of processes. Returns (quant_bits: (activation
@@ -227,6 +242,17 @@ def check_training(c, overridden, world_size):
     if quant_bits is None and (unused := [k for k in ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip",
                                                       "range_learning") if k in overridden]):
         problems.append((True, f"{', '.join(unused)} only matter with a quantizer, and quantizer='none'; set a quantizer or drop them"))
+    needs = {"wandb_project": "wandb_log", "wandb_run_name": "wandb_log", "profile_wait": "profile", "profile_warmup": "profile",
+             "profile_active": "profile"}
+    if unused := [k for k, switch in needs.items() if k in overridden and not c[switch]]:
+        problems.append((True, f"{', '.join(unused)} only matter with {' and '.join(sorted({needs[k] for k in unused}))}=True; "
+                               f"set it or drop them"))
+    if c.get("accumulate_unsharded") and accumulation == world_size:
+        problems.append((True, "accumulate_unsharded=True saves gradient reductions between micro-batches, and each process "
+                               "has one micro-batch a step; raise gradient_accumulation_steps or drop it"))
+    if "lr_decay_iters" in overridden and 0 < c["lr_decay_iters"] <= c["warmup_iters"]:
+        problems.append((True, f"lr_decay_iters={c['lr_decay_iters']} ends the cosine before warmup_iters={c['warmup_iters']} "
+                               f"ends: the rate would drop from its peak to min_lr in one step; set it past warmup_iters"))
     shape = [k for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "preset") if k in overridden]
     if c["init_from"] not in ("scratch", "resume") and shape:  # resume compares them with the checkpoint
         problems.append((True, f"{', '.join(shape)} shape a model built from scratch; init_from={c['init_from']!r} carries its own shape"))

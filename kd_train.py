@@ -26,7 +26,7 @@ The store (teacher_topk_dir, default data_dir/teacher_topk) holds ids.bin (uint1
 65536 tokens) and logprobs.bin (float16), both (train windows * block_size, k) with row
 w * block_size + t the target t of window w, as get_batch cuts it; done.bin (one byte per group
 of batch_size windows written); meta.json (k, temperature, the teacher's path and a digest of its
-files, data and tokenizer fingerprints, windows done, the teacher's val loss, and "complete", set
+files, the dtype it ran in, data and tokenizer fingerprints, windows done, the teacher's val loss, and "complete", set
 last). 4k bytes a token (6k with uint32 ids). float16 rather than bfloat16: for log-probs in [-32, 0], where the mass is,
 float16's 11-bit mantissa rounds a probability by < 0.8% and bfloat16's 8 bits by up to 6%, and
 float16's range (down to -65504) is no limit for log-probs. They are the teacher's at the writing
@@ -36,11 +36,13 @@ exact over k + 1 buckets (see stored_chunk_losses).
 """
 
 import ctypes
+import fcntl
 import json
 import logging
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from contextlib import nullcontext, suppress
@@ -156,7 +158,7 @@ profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in 
 peak_flops_per_device = 0.0  # for MFU; 0: a table for known GPUs, a measured matmul on CPU
 seed = 1337
 # -----------------------------------------------------------------------------
-from configurator import ConfigError, check_training, configure
+from configurator import TRAINING_ONLY, ConfigError, check_training, command_line_keys, configure
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
                                                     "log_interval", "ckpt_interval", "kd_temperature",
@@ -207,6 +209,22 @@ if not lora_rank and (unused := [k for k in ("lora_alpha", "lora_dropout", "lora
     fail(f"{', '.join(unused)} only matter with LoRA, and lora_rank=0; set lora_rank or drop them")
 if kd_divergence != "jsd" and "jsd_beta" in overridden:
     fail(f"jsd_beta only matters with kd_divergence='jsd', not {kd_divergence!r}")
+# kd_ratio 0 trains on the labels alone (a config file's KD settings are the job's, left alone; a
+# store's temperature is still checked against the store)
+if kd_ratio == 0 and (unused := [k for k in ("kd_divergence", "jsd_beta", *(() if teacher_topk_dir else ("kd_temperature",)))
+                                 if k in command_line_keys()]):
+    fail(f"kd_ratio=0 trains on the labels alone, so {', '.join(unused)} would only change the logged kd_loss; drop them "
+         f"or set kd_ratio > 0")
+# a store write runs the teacher over the train windows and exits: the student's settings, the loss's
+# and the loop's would be ignored (a config file may hold them: it is the training job's, shared)
+if topk_write and (unused := [k for k in ("init_from", "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank",
+                                          "lora_alpha", "lora_dropout", "lora_targets", "save_adapter_only", "quantizer",
+                                          "group_size", "quantize_embedding", "quant_skip", "range_learning", "kd_ratio",
+                                          "kd_divergence", "jsd_beta", "export_format", "wandb_log", "wandb_project",
+                                          "wandb_run_name", "mixed_precision", "reshard_after_forward", *TRAINING_ONLY)
+                              if k in command_line_keys()]):
+    fail(f"topk_write=True only runs teacher_init over the train windows, so {', '.join(unused)} would be ignored; drop "
+         f"them, and train from the store with teacher_topk_dir")
 if "teacher_topk" in overridden and not teacher_topk_dir and not topk_write:
     fail("teacher_topk only matters with a top-k store (topk_write=True, or teacher_topk_dir); online KD reads the "
          "teacher's whole distribution")
@@ -316,10 +334,12 @@ if topk_write:
         "k": teacher_topk, "temperature": kd_temperature, "block_size": block_size, "vocab_size": n_vocab,
         "ids_dtype": "uint16" if n_vocab <= 2 ** 16 else "uint32", "logprobs_dtype": "float16",
         "batch_size": batch_size, "teacher_init": teacher_init, "teacher_args": vars(teacher_args),
+        "dtype": dtype,  # a write resumed in another precision would hold rows of two
         # the teacher's bytes, not only its path: a teacher retrained in place must not extend its old store
         "teacher_digest": checkpoint_digest(teacher_init),
         "data": data_meta.get("data"), "tokenizer": data_tokenizer}))
-    if store_meta is not None and (changed := [k for k in store_spec if store_meta.get(k) != store_spec[k]]):
+    # (a store from before the dtype was recorded is taken to be in this one)
+    if store_meta is not None and (changed := [k for k in store_spec if store_meta.get(k, dtype if k == "dtype" else None) != store_spec[k]]):
         fail(f"{teacher_topk_dir} holds a store written with other {', '.join(changed)}; rerun with its settings to "
              f"finish it, or give another teacher_topk_dir")
     if store_meta is not None and store_meta["complete"]:
@@ -364,8 +384,39 @@ torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores 
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
+
+
+def lock_dir(path):
+    """(the open lock file, None), or (None, the error): a POSIX lock on path/.lock, held while this
+    process lives (the kernel lets go however it ends). A second run in the same directory, or a
+    rank 0 that a killed torchrun left running, would write checkpoints and log lines between this
+    run's; it is refused instead. A filesystem without locks gets a warning and no lock."""
+    f = open(os.path.join(path, ".lock"), "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        f.seek(0)
+        return None, (f"{path} is in use by another run (process {f.read().strip() or '?'}); wait for it, stop it, "
+                      f"or give this run another directory")
+    except OSError as e:
+        print(f"warning: {path} cannot be locked on this filesystem ({e.strerror}); nothing stops a second run there")
+        return None, None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f, None
+
+
+lock_error = [None]
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
+    if topk_write:  # what this run writes is the store (out_dir gets the tokenizer's copy alone)
+        os.makedirs(teacher_topk_dir, exist_ok=True)
+    dir_lock, lock_error[0] = lock_dir(teacher_topk_dir if topk_write else out_dir)
+dist.broadcast_object_list(lock_error, src=0)  # every rank stops, not rank 0 alone
+if lock_error[0]:
+    fail(lock_error[0])
+if master_process:
     if data_tokenizer and data_tokenizer.get("files"):  # a copy beside each checkpoint, to sample and export it with
         load_tokenizer(data_dir).save(out_dir)
     print(f"{world_size} process(es) on {device_type}, {tokens_per_iter:,} tokens per step")
@@ -883,7 +934,6 @@ def write_topk():
     n_groups = math.ceil(n_windows["train"] / batch_size)
     done_path = os.path.join(teacher_topk_dir, "done.bin")
     if master_process and store_meta is None:  # a new store: its files at full size, then its meta
-        os.makedirs(teacher_topk_dir, exist_ok=True)
         store_meta = {**store_spec, "n_windows": n_windows["train"], "windows_done": 0, "teacher_val_loss": None,
                       "complete": False}
         for m in store_memmaps("w+"):
@@ -956,6 +1006,16 @@ def _json_or_none(line):
 
 log_file = None
 if master_process:
+    # an earlier run's final outputs (of either script) would sit beside this run's checkpoints as if
+    # made from them, until this run writes its own at the end (a resumed run's too: they were made
+    # at an earlier step); this run's own input stays, and a link is removed, not what it points to
+    inputs = {os.path.realpath(p) for p in (resume_path, init_from, teacher_init) if p}
+    for name in ("quantized.pt", "model.pte", "export_hf", "export_meta", "model.pt", "adapter"):
+        path = os.path.join(out_dir, name)
+        real = os.path.realpath(path)
+        if os.path.lexists(path) and not any(i == real or i.startswith(real + os.sep) for i in inputs):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+            print(f"removed {path}: an earlier run's output, not this one's")
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")
@@ -1002,6 +1062,7 @@ flops_token = (flops_per_token(model_args, block_size, frozen=bool(lora_rank))
                + 6 * sum(p.numel() for n, p in model.named_parameters() if n.endswith(("lora_a", "lora_b")))
                + (flops_per_token(teacher_args, block_size) / 3 if teacher else 0))
 peak, peak_source = (peak_flops_per_device, "given") if peak_flops_per_device else peak_flops(device_type, ptdtype)
+peak_retimed = False
 if teacher_val_loss is None:  # once per run: a resumed run has it from its checkpoint, a store from its writing
     teacher_val_loss = store_meta["teacher_val_loss"] if from_store else evaluate(teacher, full=True)
     log({"iter": iter_num, "teacher_val_loss": teacher_val_loss})
@@ -1069,8 +1130,10 @@ with profiler as prof:
             tps = tokens_per_iter * (iter_num - last_log_iter) / (time.perf_counter() - t0)
             t0, last_log_iter = time.perf_counter(), iter_num
             mfu = flops_token * tps / world_size / peak
-            if mfu > 1 and not peak_flops_per_device:  # the peak was timed in a busy moment: time it again
-                peak = max(peak, peak_flops(device_type, ptdtype)[0])
+            if mfu > 1 and not peak_flops_per_device:  # the peak was timed in a busy moment: time it again, once
+                if not peak_retimed:
+                    peak, peak_retimed = max(peak, peak_flops(device_type, ptdtype)[0]), True
+                peak = max(peak, flops_token * tps / world_size)  # a rate the run reached is one the machine has
                 mfu = flops_token * tps / world_size / peak
             record = {"iter": iter_num, "loss": loss_val, "class_loss": class_loss, "kd_loss": kd_loss_val, "lr": lr,
                       "epoch": (iter_num - 1) // steps_per_epoch,

@@ -461,8 +461,9 @@ GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12
 def peak_flops(device, dtype):
     """Per-device peak FLOP/s behind MFU, and where it came from. GPUs: the table above. CPUs:
     the best rate of a 1024^3 matmul in `dtype` on the current threads, over several tries, since
-    one timing in a busy moment would set the bar low. The scripts measure it again whenever a
-    run goes faster than it (the machine was busy at start-up), so MFU never exceeds 100%."""
+    one timing in a busy moment would set the bar low. When a run goes faster than it (the machine
+    was busy at start-up), the scripts time it once more and never let it fall below the rate the
+    run reached, so MFU never exceeds 100%."""
     if device == "cuda":
         name = torch.cuda.get_device_name()
         for key, flops in GPU_PEAK_FLOPS.items():
@@ -471,13 +472,15 @@ def peak_flops(device, dtype):
         return float("nan"), f"unknown GPU {name}; set peak_flops"
     # a generator of its own: drawing from the global one would shift the RNG state resume restores
     a = torch.randn(1024, 1024, dtype=dtype, generator=torch.Generator().manual_seed(0))
-    best = float("inf")
-    for _ in range(10):
+    # ten tries, or as many as fit in about two seconds, three at least: a CPU without native
+    # bfloat16 (AVX2 alone) takes seconds a matmul, and the benchmark must not outlast a short run
+    best, spent, tries = float("inf"), 0.0, 0
+    while tries < 10 and (tries < 3 or spent < 2.0):
         t0 = time.perf_counter()
-        for _ in range(4):
-            a @ a
-        best = min(best, time.perf_counter() - t0)
-    return 4 * 2 * 1024 ** 3 / best, f"measured {str(dtype).removeprefix('torch.')} matmul"
+        a @ a
+        took = time.perf_counter() - t0
+        best, spent, tries = min(best, took), spent + took, tries + 1
+    return 2 * 1024 ** 3 / best, f"measured {str(dtype).removeprefix('torch.')} matmul"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,11 +17,13 @@ must beat, and the way to train a base model from scratch.
 """
 
 import ctypes
+import fcntl
 import json
 import logging
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from contextlib import nullcontext, suppress
@@ -120,7 +122,7 @@ profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in 
 peak_flops_per_device = 0.0  # for MFU; 0: a table for known GPUs, a measured matmul on CPU
 seed = 1337
 # -----------------------------------------------------------------------------
-from configurator import ConfigError, check_training, configure
+from configurator import TRAINING_ONLY, ConfigError, check_training, command_line_keys, configure
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
                                                     "log_interval", "ckpt_interval", "group_size", "grad_clip",
@@ -150,6 +152,11 @@ if optimizer_in_bwd and micro_steps > 1:
     fail("optimizer_in_bwd=True steps inside backward, so it cannot accumulate gradients; set gradient_accumulation_steps to the number of processes")
 if optimizer_in_bwd and math.isfinite(grad_clip):
     fail("optimizer_in_bwd=True steps before the global gradient norm is known; set grad_clip=float('inf')")
+if convert_only and (unused := [k for k in TRAINING_ONLY if k in command_line_keys()]):
+    fail(f"convert_only=True trains nothing, so {', '.join(unused)} would be ignored; drop them or set convert_only=False")
+if "ptq_baseline" in command_line_keys() and (quant_bits is None or init_from in ("scratch", "resume") or convert_only):
+    fail("ptq_baseline evaluates PTQ of the init_from checkpoint before a finetune with a quantizer; this run is not "
+         "one (no quantizer, init_from 'scratch' or 'resume', or convert_only): drop it")
 if convert_only and (init_from == "scratch" or quant_bits is None):
     fail("convert_only=True needs trained weights (init_from) and a quantizer, e.g. --quantizer=8da4w")
 
@@ -258,8 +265,37 @@ torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores 
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
+
+
+def lock_dir(path):
+    """(the open lock file, None), or (None, the error): a POSIX lock on path/.lock, held while this
+    process lives (the kernel lets go however it ends). A second run in the same directory, or a
+    rank 0 that a killed torchrun left running, would write checkpoints and log lines between this
+    run's; it is refused instead. A filesystem without locks gets a warning and no lock."""
+    f = open(os.path.join(path, ".lock"), "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        f.seek(0)
+        return None, (f"{path} is in use by another run (process {f.read().strip() or '?'}); wait for it, stop it, "
+                      f"or give this run another directory")
+    except OSError as e:
+        print(f"warning: {path} cannot be locked on this filesystem ({e.strerror}); nothing stops a second run there")
+        return None, None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f, None
+
+
+lock_error = [None]
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
+    out_dir_lock, lock_error[0] = lock_dir(out_dir)
+dist.broadcast_object_list(lock_error, src=0)  # every rank stops, not rank 0 alone
+if lock_error[0]:
+    fail(lock_error[0])
+if master_process:
     if data_tokenizer and data_tokenizer.get("files"):  # a copy beside each checkpoint, to sample and export it with
         load_tokenizer(data_dir).save(out_dir)
     print(f"{world_size} process(es) on {device_type}, {tokens_per_iter:,} tokens per step")
@@ -585,6 +621,16 @@ def _json_or_none(line):
 
 log_file = None
 if master_process:
+    # an earlier run's final outputs (of either script) would sit beside this run's checkpoints as if
+    # made from them, until this run writes its own at the end (a resumed run's too: they were made
+    # at an earlier step); this run's own input stays, and a link is removed, not what it points to
+    inputs = {os.path.realpath(p) for p in (resume_path, init_from) if p}
+    for name in ("quantized.pt", "model.pte", "export_hf", "export_meta", "model.pt", "adapter"):
+        path = os.path.join(out_dir, name)
+        real = os.path.realpath(path)
+        if os.path.lexists(path) and not any(i == real or i.startswith(real + os.sep) for i in inputs):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+            print(f"removed {path}: an earlier run's output, not this one's")
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")
@@ -627,6 +673,7 @@ def peak_memory_gib():
 # training loop
 flops_token = flops_per_token(model_args, block_size)
 peak, peak_source = (peak_flops_per_device, "given") if peak_flops_per_device else peak_flops(device_type, ptdtype)
+peak_retimed = False
 if master_process and not convert_only:
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {flops_token / 1e6:.1f} MFLOPs per token, "
           f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
@@ -699,8 +746,10 @@ with profiler as prof:
             tps = tokens_per_iter * (iter_num - last_log_iter) / (time.perf_counter() - t0)
             t0, last_log_iter = time.perf_counter(), iter_num
             mfu = flops_token * tps / world_size / peak
-            if mfu > 1 and not peak_flops_per_device:  # the peak was timed in a busy moment: time it again
-                peak = max(peak, peak_flops(device_type, ptdtype)[0])
+            if mfu > 1 and not peak_flops_per_device:  # the peak was timed in a busy moment: time it again, once
+                if not peak_retimed:
+                    peak, peak_retimed = max(peak, peak_flops(device_type, ptdtype)[0]), True
+                peak = max(peak, flops_token * tps / world_size)  # a rate the run reached is one the machine has
                 mfu = flops_token * tps / world_size / peak
             record = {"iter": iter_num, "loss": loss_val, "lr": lr, "epoch": (iter_num - 1) // steps_per_epoch,
                       # FSDP's gradients are DTensors, and so is their norm

@@ -241,6 +241,10 @@ TRAINING = dict(quantizer="8da4w", dtype="float32", device="cpu", export_format=
     (dict(init_from="out/x/ckpt.pt", n_layer=4), ["n_layer"], 1, "carries its own shape"),
     (dict(min_lr=1e-3), [], 1, "min_lr=0.001 is above learning_rate=0.0003"),
     (dict(profile=True, max_iters=9), [], 1, "past max_iters=9: no trace would be written"),
+    (dict(wandb_project="p"), ["wandb_project"], 1, "wandb_project only matter with wandb_log=True"),
+    (dict(), ["profile_wait", "wandb_run_name"], 1, "wandb_run_name, profile_wait only matter with profile and wandb_log=True"),
+    (dict(accumulate_unsharded=True, gradient_accumulation_steps=4), [], 4, "each process has one micro-batch a step"),
+    (dict(lr_decay_iters=30, warmup_iters=30), ["lr_decay_iters"], 1, "lr_decay_iters=30 ends the cosine before warmup_iters=30"),
 ])
 def test_check_training_refuses(settings, overridden, world_size, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
@@ -252,6 +256,14 @@ def test_wandb_without_the_package_is_refused(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else object())
     with pytest.raises(ConfigError, match="wandb_log=True needs the wandb package"):
         check_training({**TRAINING, "wandb_log": True}, ["wandb_log"], 1)
+
+
+def test_check_training_accepts_settings_in_their_mode():
+    ok = [(dict(profile=True, profile_wait=1), ["profile", "profile_wait"], 1),
+          (dict(accumulate_unsharded=True, gradient_accumulation_steps=8), ["accumulate_unsharded"], 4),
+          (dict(lr_decay_iters=31, warmup_iters=30), ["lr_decay_iters"], 1)]
+    for settings, overridden, world_size in ok:
+        check_training({**TRAINING, "wandb_log": False, **settings}, overridden, world_size)
 
 
 def test_check_training_resolves_bits_and_accumulation():

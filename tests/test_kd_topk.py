@@ -5,6 +5,8 @@ and the stores a run must refuse."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +18,11 @@ from test_kd_train import BASE, ENV, V, load_model, run_in_one_process, save_mod
 
 # gradient_accumulation_steps given: resume compares the setting as given with its derived value
 COMMON = dict(BASE, kd_ratio=0.5, learning_rate=1e-2, gradient_accumulation_steps=1)
+
+
+def writing(common):
+    """The settings of a store write among a training run's: it refuses the student's and the loop's."""
+    return {k: common[k] for k in ("data_dir", "teacher_init", "batch_size", "block_size") if k in common}
 
 
 def read_store(d):
@@ -78,7 +85,7 @@ def runs(tmp_path_factory):
         "rkl_k8": ("k8", dict(kd_divergence="rkl")),
     }
     out = {"data": data, "teacher": teacher, "student": student, "common": common, "dir": d, "cases": cases}
-    jobs = [("kd_train.py", dict(common, out_dir=str(d / f"w_{s}"), topk_write=True, teacher_topk_dir=str(d / s), **kw))
+    jobs = [("kd_train.py", dict(writing(common), out_dir=str(d / f"w_{s}"), topk_write=True, teacher_topk_dir=str(d / s), **kw))
             for s, kw in stores.items()]
     for name, (store, kw) in cases.items():
         jobs.append(("kd_train.py", dict(common, out_dir=str(d / name), **kw, **({"teacher_topk_dir": str(d / store)} if store else {}))))
@@ -156,15 +163,33 @@ def test_killed_write_resumes_to_the_straight_write(runs, tmp_path):
             ids_src[g * per_group: (g + 1) * per_group], logp_src[g * per_group: (g + 1) * per_group])
     ids_g.flush(), logp_g.flush()
     del ids_g, logp_g
-    run_in_one_process([("kd_train.py", dict(runs["common"], out_dir=str(tmp_path / "w"), topk_write=True,
+    run_in_one_process([("kd_train.py", dict(writing(runs["common"]), out_dir=str(tmp_path / "w"), topk_write=True,
                                              teacher_topk=8, teacher_topk_dir=str(dst)))], tmp_path)
     a, b = read_store(src), read_store(dst)
     assert a[0] == b[0] and np.array_equal(a[1], b[1]) and np.array_equal(a[2], b[2])
     assert (dst / "done.bin").read_bytes() == (src / "done.bin").read_bytes()
 
 
+def test_write_into_a_store_in_use_is_refused(runs, tmp_path):
+    # two writers of one store would each skip the groups the other marked done
+    store = tmp_path / "s"
+    store.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.lockf(f, fcntl.LOCK_EX); f.truncate(0); f.write('4242'); f.flush(); "
+                               "print('held', flush=True); time.sleep(600)", str(store / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = run("kd_train.py", check=False, env=ENV, **dict(writing(runs["common"]), out_dir=str(tmp_path / "w"), topk_write=True,
+                                                           teacher_topk=8, teacher_topk_dir=str(store)))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == 2 and "in use by another run (process 4242)" in r.stderr, r.stderr[-2000:]
+    assert sorted(os.listdir(store)) == [".lock"]
+
+
 def test_two_process_write_equals_one(runs, tmp_path):
-    run("kd_train.py", nproc=2, env=ENV, **dict(runs["common"], gradient_accumulation_steps=2, out_dir=str(tmp_path / "w"), topk_write=True,
+    run("kd_train.py", nproc=2, env=ENV, **dict(writing(runs["common"]), out_dir=str(tmp_path / "w"), topk_write=True,
                                                 teacher_topk=8, teacher_topk_dir=str(tmp_path / "k8")))
     a, b = read_store(runs["dir"] / "k8"), read_store(tmp_path / "k8")
     assert a[0] == b[0] and np.array_equal(a[1], b[1]) and np.array_equal(a[2], b[2])
@@ -181,19 +206,27 @@ def test_refusals(runs, tmp_path):
         (dict(common, teacher_topk_dir=store, block_size=16), "block_size=32"),
         (dict(common, teacher_topk_dir=store, kd_temperature=2.0), "temperature"),
         (dict(common, teacher_topk_dir=str(tmp_path / "none")), "no store"),
-        (dict(common, teacher_topk_dir=store, topk_write=True, teacher_topk=16), "other k"),
-        (dict(common, topk_write=True, teacher_topk=V + 1, teacher_topk_dir=str(tmp_path / "s")), "exceeds"),
+        (dict(writing(common), teacher_topk_dir=store, topk_write=True, teacher_topk=16), "other k"),
+        (dict(writing(common), topk_write=True, teacher_topk=V + 1, teacher_topk_dir=str(tmp_path / "s")), "exceeds"),
+        (dict(writing(common), teacher_topk_dir=store, topk_write=True, teacher_topk=8, dtype="bfloat16"), "other dtype"),
         # training from a store, the store is the teacher: settings naming another are refused
         (dict(common, teacher_topk_dir=store, teacher_topk=4), "holds the top 8"),
         (dict(common, teacher_topk_dir=store, teacher_topk=256), "holds the top 8"),  # the default, given explicitly
         (dict(common, teacher_topk_dir=store, teacher_init=str(runs["student"])), "was written from"),
+        # a store write runs the teacher alone: the student's and the loop's settings would be ignored
+        (dict(writing(common), topk_write=True, teacher_topk_dir=str(tmp_path / "s"), init_from=str(runs["student"]),
+              max_iters=3), "so init_from, max_iters would be ignored"),
+        (dict(writing(common), topk_write=True, teacher_topk_dir=str(tmp_path / "s"), kd_ratio=0.5), "so kd_ratio would be"),
+        # no distillation term: its settings would only change the logged kd_loss
+        (dict(common, kd_ratio=0.0, kd_temperature=2.0), "kd_ratio=0 trains on the labels alone, so kd_temperature"),
+        (dict(common, kd_ratio=0.0, kd_divergence="fkl"), "so kd_divergence would only change"),
     ]
     results = run_early_exits("kd_train.py", [(settings, None) for settings, _ in cases])
     for (settings, words), r in zip(cases, results):
         assert r.returncode == 2, (settings, r.stderr)
         assert words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     # a complete store is not rewritten
-    r = run_early_exits("kd_train.py", [(dict(common, teacher_topk_dir=store, topk_write=True, teacher_topk=8), None)])[0]
+    r = run_early_exits("kd_train.py", [(dict(writing(common), teacher_topk_dir=store, topk_write=True, teacher_topk=8), None)])[0]
     assert r.returncode == 0 and "complete" in r.stdout
     # nor extended by a teacher retrained in place: the store knows its teacher's bytes, not only its path
     moved = tmp_path / "moved"
@@ -202,7 +235,7 @@ def test_refusals(runs, tmp_path):
         meta = json.load(f)
     with open(moved / "meta.json", "w") as f:
         json.dump({**meta, "teacher_init": str(tmp_path / "t.pt")}, f)
-    write = dict(common, teacher_topk_dir=str(moved), topk_write=True, teacher_topk=8, teacher_init=str(tmp_path / "t.pt"))
+    write = dict(writing(common), teacher_topk_dir=str(moved), topk_write=True, teacher_topk=8, teacher_init=str(tmp_path / "t.pt"))
     for source, code in ((runs["teacher"], 0), (runs["student"], 2)):  # the same teacher's bytes, then another's
         shutil.copy(source, tmp_path / "t.pt")
         r = run_early_exits("kd_train.py", [(write, None)])[0]

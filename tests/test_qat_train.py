@@ -27,6 +27,7 @@ from torchao.quantization import (  # noqa: E402
 )
 from torchao.quantization.qat import QATConfig  # noqa: E402
 
+from configurator import TRAINING_ONLY  # noqa: E402
 from conftest import command, make_data, read_log, run, run_early_exits, script_env  # noqa: E402
 from model import IGNORE_INDEX, ModelArgs, Transformer, initial_scales, learn_scales  # noqa: E402
 
@@ -38,6 +39,7 @@ BASE = dict(preset="toy", block_size=32, batch_size=4, gradient_accumulation_ste
 N = 2  # fake_quant_after_n_steps of the QAT runs: steps 0 and 1 in full precision
 QAT = dict(quantizer="8da4w", group_size=32, fake_quant_after_n_steps=N)
 FINETUNE = {k: v for k, v in BASE.items() if k != "preset"}  # a checkpoint carries its own shape
+CONVERT = {k: v for k, v in FINETUNE.items() if k not in TRAINING_ONLY}  # convert_only refuses training settings
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +272,39 @@ def test_resume_rewrites_the_log_whole(train, data, tmp_path):
     assert len([r for r in log if "fp_val_loss" in r]) == 1 and not (out / "log.jsonl.tmp").exists()
 
 
+def test_out_dir_in_use_is_refused(train, data, tmp_path):
+    # another process holds out_dir (a second run, or workers a killed torchrun left behind): the
+    # run stops before it touches anything there, and goes ahead once the holder is gone
+    out = tmp_path / "run"
+    shutil.copytree(train(), out)
+    before = (out / "log.jsonl").read_text()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.lockf(f, fcntl.LOCK_EX); f.truncate(0); f.write('4242'); f.flush(); print('held', flush=True); "
+                               "time.sleep(600)", str(out / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = run(SCRIPT, check=False, **{**BASE, "data_dir": data, "out_dir": out, "init_from": "resume", "max_iters": 8})
+        assert r.returncode == 2 and "in use by another run (process 4242)" in r.stderr, r.stderr[-2000:]
+        assert (out / "log.jsonl").read_text() == before and not (out / "log.jsonl.prev").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": out, "init_from": "resume", "max_iters": 8})
+    assert max(losses(read_log(out))) == 8
+
+
+def test_earlier_runs_outputs_are_removed_not_left_beside_new_weights(train, data, tmp_path):
+    # a QAT run's quantized.pt and export, then a plain finetune from that export in the same out_dir:
+    # the quantized model is not this run's and goes; the export is this run's input and stays
+    out = tmp_path / "run"
+    shutil.copytree(train(**QAT, export_format="meta"), out)
+    assert (out / "quantized.pt").exists() and (out / "export_meta" / "params.json").exists()
+    r = run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(out / "export_meta"), "max_iters": 1})
+    assert f"removed {out / 'quantized.pt'}: an earlier run's output" in r.stdout
+    assert not (out / "quantized.pt").exists() and (out / "export_meta" / "params.json").exists()
+    assert "removed" not in r.stdout.replace(f"removed {out / 'quantized.pt'}", "")
+
+
 def test_resume_refuses_other_data(train, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(train(), out)
@@ -289,7 +324,7 @@ def test_resume_refuses_other_data(train, tmp_path):
 def test_quant_skip_names_whole_modules(train, data, tmp_path):
     # 'layers.1' is that block and what is inside it, nothing that merely starts with the string
     out = tmp_path / "skip"
-    run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(train() / "ckpt.pt"),
+    run(SCRIPT, **{**CONVERT, "data_dir": data, "out_dir": out, "init_from": str(train() / "ckpt.pt"),
                    "convert_only": True, "quantizer": "8da4w", "group_size": 32, "quant_skip": ("layers.1.",)})
     q = torch.load(out / "quantized.pt", weights_only=False)["model"]
     assert type(q["layers.0.attention.wq.weight"]) is not torch.Tensor  # converted
@@ -309,7 +344,7 @@ def test_lora_checkpoint_is_merged_and_labels_follow_what_ran(train, data, tmp_p
                 p.normal_(0, 0.05)  # adapters that change the output
     torch.save({"model": lora.state_dict(), "model_args": vars(args)}, tmp_path / "lora.pt")
     out = tmp_path / "lora_out"
-    r = run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(tmp_path / "lora.pt"),
+    r = run(SCRIPT, **{**CONVERT, "data_dir": data, "out_dir": out, "init_from": str(tmp_path / "lora.pt"),
                        "convert_only": True, "quantizer": "8da4w"})
     assert "merged" in r.stdout
     s = summary(read_log(out))
@@ -320,7 +355,7 @@ def test_lora_checkpoint_is_merged_and_labels_follow_what_ran(train, data, tmp_p
     qat = train(**QAT)
     for quantizer, init, method in (("8da2w", qat / "ckpt.pt", "ptq"), ("8da4w", qat, "qat")):
         o = tmp_path / f"conv_{quantizer}"
-        run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": o, "init_from": str(init), "convert_only": True,
+        run(SCRIPT, **{**CONVERT, "data_dir": data, "out_dir": o, "init_from": str(init), "convert_only": True,
                        "quantizer": quantizer, "group_size": 32})
         assert summary(read_log(o))["method"] == method, (quantizer, init)
 
@@ -387,7 +422,7 @@ def test_range_learning_scales_survive_resume_and_conversion(train, data, tmp_pa
 
     # converting the checkpoint again (init_from, not resume) takes its scales too
     again = tmp_path / "convert"
-    run(SCRIPT, **{**FINETUNE, **rl, "data_dir": data, "out_dir": again, "init_from": str(straight / "ckpt.pt"),
+    run(SCRIPT, **{**CONVERT, **{k: v for k, v in rl.items() if k != "fake_quant_after_n_steps"}, "data_dir": data, "out_dir": again, "init_from": str(straight / "ckpt.pt"),
                    "convert_only": True})
     assert summary(read_log(again))["method"] == "qat"
     assert summary(read_log(again))["quant_val_loss"] == pytest.approx(s["quant_val_loss"], rel=1e-6)
@@ -440,7 +475,7 @@ def test_range_lr_ratio_scales_the_scales_first_step(train, data, tmp_path):
 def test_ptq_of_plain_checkpoint(train, data, tmp_path):
     base = train()
     out = tmp_path / "ptq"
-    run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"),
+    run(SCRIPT, **{**CONVERT, "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"),
                    "convert_only": True, "quantizer": "8da2w"})
     log = read_log(out)
     assert not losses(log)  # no training
@@ -452,7 +487,7 @@ def test_ptq_of_plain_checkpoint(train, data, tmp_path):
     q = torch.load(out / "quantized.pt", weights_only=False)
     assert q["quantizer"] == "8da2w" and q["model"].keys() == weights(base).keys()
     # a fresh run in the same out_dir starts a log of its own; the earlier one is set aside whole
-    r = run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"),
+    r = run(SCRIPT, **{**CONVERT, "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"),
                        "convert_only": True, "quantizer": "8da4w"})
     assert "moved to log.jsonl.prev" in r.stdout
     assert [x["quantizer"] for x in read_log(out) if "method" in x] == ["8da4w"]
@@ -464,7 +499,7 @@ def test_ptq_baseline_before_qat_finetune(train, data, tmp_path):
     # equal a convert_only PTQ of that checkpoint, and the starting fp loss its own fp loss
     base = train()
     ptq = tmp_path / "ptq"
-    run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": ptq, "init_from": str(base / "ckpt.pt"),
+    run(SCRIPT, **{**CONVERT, "data_dir": data, "out_dir": ptq, "init_from": str(base / "ckpt.pt"),
                    "convert_only": True, "quantizer": "8da2w"})
     out = tmp_path / "qat"
     run(SCRIPT, **{**FINETUNE, **QAT, "quantizer": "8da2w", "data_dir": data, "out_dir": out,
@@ -583,6 +618,15 @@ def test_errors(train, data, tmp_path):
         "impossible shape": (dict(n_head=3), {}, ["n_heads=3"]),
         "converted model": (dict(init_from=str(train(**QAT) / "quantized.pt")), {}, ["converted", "ckpt.pt"]),
         "quant setting without quantizer": (dict(fake_quant_after_n_steps=5), {}, ["fake_quant_after_n_steps", "quantizer='none'"]),
+        # settings that only matter with another one, or in another mode
+        "wandb name without wandb": (dict(wandb_run_name="x"), {}, ["wandb_run_name", "wandb_log=True"]),
+        "profile schedule without profile": (dict(profile_active=1), {}, ["profile_active", "profile=True"]),
+        "accumulate_unsharded, one micro-batch": (dict(accumulate_unsharded=True, gradient_accumulation_steps=1), {},
+                                                  ["accumulate_unsharded=True", "one micro-batch"]),
+        "cosine ends inside warmup": (dict(lr_decay_iters=2), {}, ["lr_decay_iters=2", "warmup_iters=2"]),
+        "ptq_baseline from scratch": (dict(ptq_baseline=False), {}, ["ptq_baseline", "drop it"]),
+        "convert_only with training settings": (dict(init_from=str(train() / "ckpt.pt"), quantizer="8da4w", convert_only=True),
+                                                {}, ["convert_only=True trains nothing", "max_iters, learning_rate"]),
     }
 
     runs = [({**(BASE if settings.get("init_from", "resume") == "resume" else FINETUNE), "data_dir": data,
