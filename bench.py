@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from checkpoint import checkpoint_digest, load_checkpoint
+from configurator import TRAINING_ONLY
 from model import LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -97,12 +98,15 @@ def summary(records):
 
 
 def run_once(script, args, out_dir, nproc=1, quiet=True):
-    """run(), unless out_dir holds a finished run of exactly these arguments and input checkpoints:
+    """run(), unless out_dir holds a finished run of exactly these arguments, input checkpoints and data:
     the plain finetunes and PTQ evaluations are then shared by every QAT/QAD setting compared
     against them, and a base trained again differently is not mistaken for the one they started from."""
     stamp, log_path = os.path.join(out_dir, "bench_args.json"), os.path.join(out_dir, "log.jsonl")
     inputs = {k: checkpoint_digest(args[k]) for k in ("init_from", "teacher_init") if os.path.exists(str(args.get(k, "")))}
-    key = json.loads(json.dumps({"script": script, "nproc": nproc, **args, "input_digests": inputs}))
+    # and the data's fingerprints: data prepared again in place is other data under the same path
+    with open(os.path.join(args["data_dir"], "meta.json")) as f:
+        data = {k: v for k, v in json.load(f).items() if k in ("data", "tokenizer", "vocab_size")}
+    key = json.loads(json.dumps({"script": script, "nproc": nproc, **args, "input_digests": inputs, "data": data}))
     if os.path.exists(stamp) and os.path.exists(log_path):
         with open(stamp) as f:
             if json.load(f) == key:
@@ -267,6 +271,7 @@ def quality(opt):
     common = dict(data_dir=opt.data_dir, batch_size=opt.batch_size, block_size=opt.block_size, device=opt.device,
                   dtype=opt.dtype, mixed_precision=opt.dtype == "bfloat16", eval_interval=10 ** 9, eval_iters=1,
                   log_interval=50, ckpt_interval=10 ** 9, gradient_accumulation_steps=opt.nproc)
+    convert = {k: v for k, v in common.items() if k not in TRAINING_ONLY}  # convert_only refuses training settings
     t_start = time.perf_counter()
     base_dir = os.path.join(out, "base")
     base_args = {**common, "preset": opt.preset, **shape_args(opt), "quantizer": "none", "max_iters": opt.base_iters,
@@ -276,7 +281,7 @@ def quality(opt):
     if opt.base_ckpt:  # an earlier run's base: its fp loss is read again on this data
         base_ckpt = opt.base_ckpt
         print(f"base model: {base_ckpt}")
-        base = summary(run_once("qat_train.py", {**common, "init_from": base_ckpt, "quantizer": "8da4w", "convert_only": True},
+        base = summary(run_once("qat_train.py", {**convert, "init_from": base_ckpt, "quantizer": "8da4w", "convert_only": True},
                                 os.path.join(out, "base_eval"), opt.nproc))
     else:
         print(f"base model: {opt.preset}, {opt.base_iters} steps")
@@ -301,7 +306,7 @@ def quality(opt):
         teacher = {"base": base_ckpt, "plain": os.path.join(plain_dir, "ckpt.pt")}[opt.qad_teacher]
         for s in schemes:
             q = {"quantizer": s, "group_size": opt.group_size, **quant_set}
-            ptq = summary(run_once("qat_train.py", {**common, "init_from": os.path.join(plain_dir, "ckpt.pt"), **q, "convert_only": True},
+            ptq = summary(run_once("qat_train.py", {**convert, "init_from": os.path.join(plain_dir, "ckpt.pt"), **q, "convert_only": True},
                                    os.path.join(out, f"s{seed}_ptq_{s}{quant_name}"), opt.nproc))
             r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"]}
             if "qat" in methods:
@@ -457,6 +462,7 @@ def deploy(opt):
     import torchao  # noqa: F401  (registers the quantized tensor types quantized.pt holds)
 
     from checkpoint import ExecuTorchModel, export_executorch, load_checkpoint
+    from data_prep import tokenizer_mismatch
     from model import Transformer
 
     qat_dir = opt.qat_dir
@@ -468,6 +474,12 @@ def deploy(opt):
     for name in ("ckpt.pt", "quantized.pt"):
         if not os.path.exists(os.path.join(qat_dir, name)):
             sys.exit(f"error: {os.path.join(qat_dir, name)} is missing; give --qat_dir of a finished qat_train.py run with a quantizer")
+    with open(os.path.join(opt.data_dir, "meta.json")) as f:
+        data_meta = json.load(f)
+    trained = torch.load(os.path.join(qat_dir, "quantized.pt"), map_location="cpu", mmap=True, weights_only=False).get("tokenizer")
+    if trained and data_meta.get("tokenizer") and (diff := tokenizer_mismatch(trained, data_meta["tokenizer"])):
+        sys.exit(f"error: {opt.data_dir} was tokenized with another tokenizer than {qat_dir}'s model ({diff}); its losses "
+                 f"would compare unrelated tokens")
     models = {}
     for label, name in (("full precision", "ckpt.pt"), ("converted", "quantized.pt")):
         args, state = load_checkpoint(os.path.join(qat_dir, name))
@@ -481,13 +493,11 @@ def deploy(opt):
     fp_file = os.path.join(qat_dir, "fp_model.pt")
     torch.save(models["full precision"].state_dict(), fp_file)
     pte = os.path.join(qat_dir, "model.pte")
-    if not os.path.exists(pte):
-        export_executorch(models["converted"], pte)
+    if not os.path.exists(pte) or os.path.getmtime(pte) < os.path.getmtime(os.path.join(qat_dir, "quantized.pt")):
+        export_executorch(models["converted"], pte)  # none yet, or one older than the model it would stand for
     et = ExecuTorchModel(pte)
     files = {"full precision": fp_file, "converted": os.path.join(qat_dir, "quantized.pt"), "executorch": pte}
 
-    with open(os.path.join(opt.data_dir, "meta.json")) as f:
-        data_meta = json.load(f)
     if data_meta.get("packed"):  # padded rows with masks and positions: not one stream to slide over
         sys.exit(f"error: {opt.data_dir} holds packed prompt/response samples; give --data_dir of plain text data")
     val = np.fromfile(os.path.join(opt.data_dir, "val.bin"), dtype=data_meta["dtype"]).astype(np.int64)  # uint32 past 65,536 ids
@@ -570,7 +580,7 @@ def kd(opt):
     for k in ks:
         stores[k] = os.path.join(out, f"store_{k}")  # a complete store of this data and teacher is kept
         t0 = time.perf_counter()
-        args = {**common, "teacher_init": base_ckpt, "topk_write": True, "teacher_topk": k, "teacher_topk_dir": stores[k],
+        args = {**{k: v for k, v in common.items() if k not in TRAINING_ONLY}, "teacher_init": base_ckpt, "topk_write": True, "teacher_topk": k, "teacher_topk_dir": stores[k],
                 "kd_temperature": opt.kd_temperature, "out_dir": os.path.join(out, f"write_{k}")}
         proc = subprocess.run([sys.executable, os.path.join(HERE, "kd_train.py")] + [f"--{a}={v}" for a, v in args.items()],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # a write keeps no log.jsonl
@@ -604,7 +614,8 @@ def kd(opt):
         teacher_loss = json.load(f)["teacher_val_loss"]
     for seed in range(opt.seeds):
         for name, extra in [("ce", {"kd_ratio": 0.0})] + variants:
-            res = summary(run("kd_train.py", {**long, **extra, "seed": seed}, os.path.join(out, f"s{seed}_{name}")))
+            args = {k: v for k, v in long.items() if name != "ce" or k not in ("kd_divergence", "kd_temperature")}  # kd_ratio 0 refuses them
+            res = summary(run("kd_train.py", {**args, **extra, "seed": seed}, os.path.join(out, f"s{seed}_{name}")))
             losses[name].append(res["fp_val_loss"])
         print(f"seed {seed}: " + "  ".join(f"{n} {v[-1]:.4f}" for n, v in losses.items()) + f"  teacher {teacher_loss:.4f}")
 

@@ -125,3 +125,27 @@ def test_memory_plan_activations_match_what_autograd_saves():
     one, eight = (memory_plan(args, n, 2, 128, "bfloat16", mixed_precision=True) for n in (1, 8))
     assert one["optimizer"] == 8 * eight["optimizer"] == 2 * one["parameters"]
     assert one["parameters"] == 4 * sum(p.numel() for p in __import__("model").Transformer(args).parameters())
+
+
+def test_run_once_reruns_on_data_prepared_again(tmp_path, monkeypatch):
+    # the reuse key holds the data's fingerprints, not only its path: data prepared again in place
+    # would otherwise pair an old plain finetune's loss with a new QAT run's
+    sys.path.insert(0, str(ROOT))
+    import bench as bench_module
+
+    calls = []
+
+    def fake_run(script, args, out_dir, nproc=1, quiet=True):
+        calls.append(out_dir)
+        records = [{"iter": 1, "fp_val_loss": float(len(calls))}]
+        (tmp_path / "out").mkdir(exist_ok=True)
+        (tmp_path / "out" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return records
+
+    monkeypatch.setattr(bench_module, "run", fake_run)
+    data = make_data(tmp_path / "data")
+    args = {"data_dir": str(data), "max_iters": 1}
+    first = bench_module.run_once("qat_train.py", args, str(tmp_path / "out"))
+    assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out")) == first and len(calls) == 1  # reused
+    make_data(tmp_path / "data", val_tokens=1024, seed=5)  # the same path, other tokens
+    assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out"))[0]["fp_val_loss"] == 2.0 and len(calls) == 2
