@@ -14,6 +14,7 @@ line naming it, before any tensor is read: a model loaded approximately gives nu
 right and are not. Exports write a directory atomically (a temp directory renamed into place).
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -160,6 +161,27 @@ def sharded_dir(path):
         if os.path.isfile(os.path.join(d, "state.pt")) and os.path.isfile(os.path.join(d, ".metadata")):
             return d
     return None
+
+
+def lock_dir(path):
+    """(the open lock file, None), or (None, the error): a POSIX lock on path/.lock, held while this
+    process lives (the kernel lets go however it ends). A second run in the same directory, or a
+    rank 0 that a killed torchrun left running, would write checkpoints and log lines between this
+    run's; it is refused instead. A filesystem without locks gets a warning and no lock."""
+    f = open(os.path.join(path, ".lock"), "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        f.seek(0)
+        return None, (f"{path} is in use by another run (process {f.read().strip() or '?'}); wait for it, stop it, "
+                      f"or give this run another directory")
+    except OSError as e:
+        print(f"warning: {path} cannot be locked on this filesystem ({e.strerror}); nothing stops a second run there")
+        return None, None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f, None
 
 
 def atomic_save(obj, path):

@@ -17,7 +17,6 @@ must beat, and the way to train a base model from scratch.
 """
 
 import ctypes
-import fcntl
 import json
 import logging
 import math
@@ -48,7 +47,7 @@ from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeig
 from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
-                        load_sharded_checkpoint, save_training_checkpoint, sharded_dir, tokenizer_of)
+                        load_sharded_checkpoint, lock_dir, save_training_checkpoint, sharded_dir, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
                    initial_scales, learn_scales, merge_lora, peak_flops, restart_scales, weights_only)
@@ -265,29 +264,7 @@ torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores 
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
-
-
-def lock_dir(path):
-    """(the open lock file, None), or (None, the error): a POSIX lock on path/.lock, held while this
-    process lives (the kernel lets go however it ends). A second run in the same directory, or a
-    rank 0 that a killed torchrun left running, would write checkpoints and log lines between this
-    run's; it is refused instead. A filesystem without locks gets a warning and no lock."""
-    f = open(os.path.join(path, ".lock"), "a+")
-    try:
-        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except (BlockingIOError, PermissionError):
-        f.seek(0)
-        return None, (f"{path} is in use by another run (process {f.read().strip() or '?'}); wait for it, stop it, "
-                      f"or give this run another directory")
-    except OSError as e:
-        print(f"warning: {path} cannot be locked on this filesystem ({e.strerror}); nothing stops a second run there")
-        return None, None
-    f.truncate(0)
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f, None
-
-
+# one run at a time in out_dir (checkpoint.lock_dir)
 lock_error = [None]
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
