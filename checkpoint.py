@@ -168,7 +168,10 @@ def lock_dir(path):
     process lives (the kernel lets go however it ends). A second run in the same directory, or a
     rank 0 that a killed torchrun left running, would write checkpoints and log lines between this
     run's; it is refused instead. A filesystem without locks gets a warning and no lock."""
-    f = open(os.path.join(path, ".lock"), "a+")
+    try:
+        f = open(os.path.join(path, ".lock"), "a+")
+    except OSError as e:
+        return None, f"cannot write in {path} ({e.strerror}); give this run a directory it can write"
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except (BlockingIOError, PermissionError):

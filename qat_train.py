@@ -221,8 +221,10 @@ except ValueError as e:
 quant_settings = ("quantizer", "group_size", "quantize_embedding", "quant_skip", "range_learning")
 if init_from == "resume":  # these decide which batches a step sees, or what the weights were trained for
     try:
-        check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "fake_quant_after_n_steps",
-                                    "preset", "n_layer", "n_head", "n_kv_head", "n_embd") + quant_settings, data_meta, resume_path,
+        same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "fake_quant_after_n_steps", "preset", "n_layer",
+                "n_head", "n_kv_head", "n_embd") + quant_settings
+        # a conversion trains nothing: the loop's settings neither need to match nor may be given
+        check_resume(ckpt, config, tuple(k for k in same if not (convert_only and k in TRAINING_ONLY)), data_meta, resume_path,
                      "qat_train.py")
     except ValueError as e:
         fail(str(e))

@@ -494,6 +494,16 @@ def test_ptq_of_plain_checkpoint(train, data, tmp_path):
     assert read_log(out, "log.jsonl.prev") == log
 
 
+def test_convert_only_resumes_a_run_trained_with_other_loop_settings(train, data, tmp_path):
+    # the QAT run had fake_quant_after_n_steps=2 and 2 micro-batches a step; a conversion of it
+    # (init_from='resume') neither needs those settings nor may be given them
+    out = tmp_path / "run"
+    shutil.copytree(train(**QAT), out)
+    run(SCRIPT, **{**CONVERT, "preset": BASE["preset"], "data_dir": data, "out_dir": out, "init_from": "resume", "convert_only": True,
+                   "quantizer": QAT["quantizer"], "group_size": QAT["group_size"]})
+    assert summary(read_log(out))["method"] == "qat"
+
+
 def test_ptq_baseline_before_qat_finetune(train, data, tmp_path):
     # finetuning a checkpoint with a quantizer first reports PTQ of the starting weights: it must
     # equal a convert_only PTQ of that checkpoint, and the starting fp loss its own fp loss
