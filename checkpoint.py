@@ -187,6 +187,24 @@ def lock_dir(path):
     return f, None
 
 
+# what a finished run leaves in out_dir besides its checkpoint and log (either script's)
+FINAL_OUTPUTS = ("quantized.pt", "model.pte", "export_hf", "export_meta", "model.pt", "adapter")
+
+
+def remove_earlier_outputs(out_dir, inputs):
+    """Removes the FINAL_OUTPUTS an earlier run left in out_dir, which would sit beside this run's
+    checkpoints as if made from them until this run writes its own (a resumed run's too: they were
+    made at an earlier step). One that is, or holds, a path in `inputs` (this run's own) stays; a
+    link is removed, not what it points to."""
+    inputs = {os.path.realpath(p) for p in inputs if p}
+    for name in FINAL_OUTPUTS:
+        path = os.path.join(out_dir, name)
+        real = os.path.realpath(path)
+        if os.path.lexists(path) and not any(i == real or i.startswith(real + os.sep) for i in inputs):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+            print(f"removed {path}: an earlier run's output, not this one's")
+
+
 def atomic_save(obj, path):
     # a crash mid-write leaves the previous file intact: write aside, flush to disk, then rename
     with open(path + ".tmp", "wb") as f:

@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import resource
-import shutil
 import sys
 import time
 from contextlib import nullcontext, suppress
@@ -47,7 +46,8 @@ from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeig
 from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
-                        load_sharded_checkpoint, lock_dir, save_training_checkpoint, sharded_dir, tokenizer_of)
+                        load_sharded_checkpoint, lock_dir, remove_earlier_outputs, save_training_checkpoint, sharded_dir,
+                        tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
                    initial_scales, learn_scales, merge_lora, peak_flops, restart_scales, weights_only)
@@ -600,16 +600,7 @@ def _json_or_none(line):
 
 log_file = None
 if master_process:
-    # an earlier run's final outputs (of either script) would sit beside this run's checkpoints as if
-    # made from them, until this run writes its own at the end (a resumed run's too: they were made
-    # at an earlier step); this run's own input stays, and a link is removed, not what it points to
-    inputs = {os.path.realpath(p) for p in (resume_path, init_from) if p}
-    for name in ("quantized.pt", "model.pte", "export_hf", "export_meta", "model.pt", "adapter"):
-        path = os.path.join(out_dir, name)
-        real = os.path.realpath(path)
-        if os.path.lexists(path) and not any(i == real or i.startswith(real + os.sep) for i in inputs):
-            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
-            print(f"removed {path}: an earlier run's output, not this one's")
+    remove_earlier_outputs(out_dir, (resume_path, init_from))  # checkpoint.py: an earlier run's exports, not this one's
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")
