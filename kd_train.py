@@ -780,10 +780,13 @@ def chunk_losses(hs, ht, y):
         # rows past the tokenizer's vocabulary are padding, not part of either distribution
         t_logits = teacher.output(ht).float()[:, :n_vocab]
         t_logp = F.log_softmax(t_logits if kd_temperature == 1 else t_logits / kd_temperature, -1)
-    # the forward KL (the JSD at beta 0 is one) comes out of StudentLogProbs; others through autograd
-    fkl = kd_divergence == "fkl" or kd_divergence == "jsd" and jsd_beta == 0.0
+    # the forward KL (the JSD at beta 0 is one) comes out of StudentLogProbs; others through autograd.
+    # At kd_ratio 0 the KD term is only logged: detached, so that no 0 * nan of a teacher's inf
+    # reaches the gradient
+    fkl = (kd_divergence == "fkl" or kd_divergence == "jsd" and jsd_beta == 0.0) and kd_ratio > 0
     s_out, label_logp = StudentLogProbs.apply(s_logits, y, None, kd_temperature, t_logp if fkl else None)
-    kd = ((s_out if fkl else divergence(s_out, t_logp)) * (y != IGNORE_INDEX)).sum() * kd_temperature ** 2
+    kd = ((s_out if fkl else divergence(s_out if kd_ratio > 0 else s_out.detach(), t_logp))
+          * (y != IGNORE_INDEX)).sum() * kd_temperature ** 2
     return -label_logp.sum(), kd
 
 
@@ -804,7 +807,7 @@ def stored_chunk_losses(hs, t_ids, t_logp, y):
         eps = torch.finfo(torch.float32).eps
         t_logp = torch.cat((t_logp, (1 - t_logp.exp().sum(-1, keepdim=True)).clamp(min=eps).log()), -1)
     t_buckets = F.log_softmax(t_logp, -1)  # renormalized: float16 log-probs sum to 1 only within rounding
-    kd = (divergence(s_buckets, t_buckets) * (y != IGNORE_INDEX)).sum() * kd_temperature ** 2
+    kd = (divergence(s_buckets if kd_ratio > 0 else s_buckets.detach(), t_buckets) * (y != IGNORE_INDEX)).sum() * kd_temperature ** 2
     return -label_logp.sum(), kd
 
 
@@ -1054,6 +1057,29 @@ pbar = tqdm(total=max_iters, initial=iter_num, desc="distill", dynamic_ncols=Tru
             disable=not master_process or iter_num >= max_iters)
 t0 = time.perf_counter()
 last_log_iter = iter_num
+# the first step whose loss or gradient norm was not finite (NO_BAD_STEP: none), kept on the device
+# and read where the loop syncs anyway: at log lines, and before a checkpoint, which a NaN must not overwrite
+NO_BAD_STEP = 2 ** 62
+bad_step = torch.full((), NO_BAD_STEP, device=device)
+saved_iter = iter_num if init_from == "resume" else None
+
+
+def check_finite():
+    """Stops every rank, in one line, once a step's loss or gradient norm was nan or inf: training
+    on would only spread it through the weights, and into the checkpoint and the converted model."""
+    dist.all_reduce(bad_step, op=dist.ReduceOp.MIN)
+    if (step := int(bad_step.item())) != NO_BAD_STEP:
+        pbar.close()
+        kept = f"{out_dir} keeps the checkpoint of step {saved_iter}" if saved_iter is not None else "no checkpoint was written"
+        fail(f"step {step}: the loss or the gradient norm is not finite; stopped, and {kept}. Lower learning_rate "
+             f"or grad_clip, or train in float32 to see whether the precision is the cause")
+
+
+def mix(ce, kd):
+    """The trained loss: kd_ratio 0 is the labels' alone, not 0 times a KD term that may be inf or nan."""
+    return ce if kd_ratio == 0 else (1 - kd_ratio) * ce + kd_ratio * kd
+
+
 with profiler as prof:
     while iter_num < max_iters:
         if quant_bits is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
@@ -1080,21 +1106,24 @@ with profiler as prof:
                 model.set_requires_gradient_sync(micro == len(batches) - 1)
             with offload_ctx:
                 ce, kd = distill_loss(x, y, pos, topk)
-            ((1 - kd_ratio) * ce + kd_ratio * kd).mul(world_size / n_tokens).backward()
+            mix(ce, kd).mul(world_size / n_tokens).backward()
             ce_sum, kd_sum = ce_sum + ce.detach(), kd_sum + kd.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
+        bad_step = torch.where(mix(ce_sum, kd_sum).isfinite() & grad_norm.to_local().isfinite() | (bad_step != NO_BAD_STEP),
+                               bad_step, iter_num)
         pbar.update(1)
         if profile:
             prof.step()
 
         if iter_num % log_interval == 0 or iter_num == max_iters:
+            check_finite()
             sums = torch.stack((ce_sum, kd_sum))
             dist.all_reduce(sums)
             class_loss, kd_loss_val = (sums / n_tokens).tolist()  # the one host sync of a log step
-            loss_val = (1 - kd_ratio) * class_loss + kd_ratio * kd_loss_val
+            loss_val = mix(class_loss, kd_loss_val)
             tps = tokens_per_iter * (iter_num - last_log_iter) / (time.perf_counter() - t0)
             t0, last_log_iter = time.perf_counter(), iter_num
             mfu = flops_token * tps / world_size / peak
@@ -1118,7 +1147,9 @@ with profiler as prof:
             if master_process:
                 pbar.write(f"step {iter_num}: val loss {val_loss:.4f} (teacher {teacher_val_loss:.4f})")
         if iter_num % ckpt_interval == 0 or iter_num == max_iters:
+            check_finite()
             save_checkpoint()
+            saved_iter = iter_num
         t0 += time.perf_counter() - t_pause
 pbar.close()
 

@@ -672,6 +672,24 @@ pbar = tqdm(total=max_iters, initial=iter_num, desc="train", dynamic_ncols=True,
 start_iter = iter_num
 t0 = time.perf_counter()
 last_log_iter = iter_num
+# the first step whose loss or gradient norm was not finite (NO_BAD_STEP: none), kept on the device
+# and read where the loop syncs anyway: at log lines, and before a checkpoint, which a NaN must not overwrite
+NO_BAD_STEP = 2 ** 62
+bad_step = torch.full((), NO_BAD_STEP, device=device)
+saved_iter = iter_num if init_from == "resume" else None
+
+
+def check_finite():
+    """Stops every rank, in one line, once a step's loss or gradient norm was nan or inf: training
+    on would only spread it through the weights, and into the checkpoint and the converted model."""
+    dist.all_reduce(bad_step, op=dist.ReduceOp.MIN)
+    if (step := int(bad_step.item())) != NO_BAD_STEP:
+        pbar.close()
+        kept = f"{out_dir} keeps the checkpoint of step {saved_iter}" if saved_iter is not None else "no checkpoint was written"
+        fail(f"step {step}: the loss or the gradient norm is not finite; stopped, and {kept}. Lower learning_rate "
+             f"or grad_clip, or train in float32 to see whether the precision is the cause")
+
+
 with profiler as prof:
     while iter_num < max_iters and not convert_only:
         if quant_bits is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
@@ -706,11 +724,14 @@ with profiler as prof:
             optimizers[0].step()
             optimizers[0].zero_grad(set_to_none=True)
         iter_num += 1
+        finite = loss_sum.isfinite() if optimizer_in_bwd else loss_sum.isfinite() & grad_norm.to_local().isfinite()
+        bad_step = torch.where(finite | (bad_step != NO_BAD_STEP), bad_step, iter_num)
         pbar.update(1)
         if profile:
             prof.step()
 
         if iter_num % log_interval == 0 or iter_num == max_iters:
+            check_finite()
             dist.all_reduce(loss_sum)
             loss_val = loss_sum.item() / n_tokens.item()  # the one host sync of a log step
             tps = tokens_per_iter * (iter_num - last_log_iter) / (time.perf_counter() - t0)
@@ -735,7 +756,9 @@ with profiler as prof:
             if master_process:
                 pbar.write(f"step {iter_num}: val loss {val_loss:.4f}")
         if iter_num % ckpt_interval == 0 or iter_num == max_iters:
+            check_finite()
             save_checkpoint()
+            saved_iter = iter_num
         t0 += time.perf_counter() - t_pause
 pbar.close()
 

@@ -280,6 +280,23 @@ def test_kd_ratio_zero_equals_ce_training(setup, tmp_path):
     assert sorted(p for g in kd_ckpt["optimizer"]["param_groups"] for p in g["params"]) == sorted(student_params)
 
 
+def test_non_finite_teacher(setup, tmp_path):
+    # a teacher whose logits hold an inf: kd_ratio 0 trains on the labels alone, not on 0 * nan;
+    # with weight on the KD term the run stops at its first step and writes no checkpoint
+    state = torch.load(setup["teacher"], weights_only=True)
+    state["model"]["output.weight"][5, 0] = float("inf")
+    torch.save(state, tmp_path / "inf_teacher.pt")
+    common = dict(TRAIN, data_dir=setup["data"], init_from=setup["student"], teacher_init=str(tmp_path / "inf_teacher.pt"))
+    (code0, err0), (code, err) = run_in_one_process([
+        ("kd_train.py", dict(common, out_dir=str(tmp_path / "zero"), kd_ratio=0.0)),
+        ("kd_train.py", dict(common, out_dir=str(tmp_path / "half"), kd_ratio=0.5, ckpt_interval=1, log_interval=5)),
+    ], tmp_path, check=False)
+    assert code0 in (0, None), err0[-2000:]
+    assert all(math.isfinite(r["loss"]) and math.isnan(r["kd_loss"]) for r in train_lines(read_log(tmp_path / "zero")))
+    assert code == 2 and "step 1: the loss or the gradient norm is not finite; stopped, and no checkpoint was written" in err, err[-2000:]
+    assert not (tmp_path / "half" / "ckpt.pt").exists()
+
+
 # -----------------------------------------------------------------------------
 # 2 processes against 1, and resume against a straight run
 
