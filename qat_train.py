@@ -804,9 +804,10 @@ if master_process:
     rows = []
     if baseline:
         rows += [("start, full precision", baseline["init_fp_val_loss"]), (f"start, PTQ {quantizer}", baseline["init_ptq_val_loss"])]
-    rows.append((f"step {iter_num}, full precision", fp_val_loss))
+    at = "loaded weights" if convert_only and init_from != "resume" else f"step {iter_num}"  # a finetune's step 0 is its start
+    rows.append((f"{at}, full precision", fp_val_loss))
     if quant_bits is not None:
-        rows.append((f"step {iter_num}, {summary['method'].upper()} {quantizer} g{group_size}", summary["quant_val_loss"]))
+        rows.append((f"{at}, {summary['method'].upper()} {quantizer} g{group_size}", summary["quant_val_loss"]))
     print(f"\n{'whole validation split':<36} {'loss':>8} {'ppl':>9}")
     for name, loss in rows:
         print(f"{name:<36} {loss:>8.4f} {math.exp(loss):>9.3f}")

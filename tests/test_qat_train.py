@@ -503,6 +503,7 @@ def test_ptq_of_plain_checkpoint(train, data, tmp_path):
     r = run(SCRIPT, **{**CONVERT, "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"),
                        "convert_only": True, "quantizer": "8da4w"})
     assert "moved to log.jsonl.prev" in r.stdout
+    assert "loaded weights, PTQ 8da4w g32" in r.stdout and "step 0" not in r.stdout  # no step was taken
     assert [x["quantizer"] for x in read_log(out) if "method" in x] == ["8da4w"]
     assert read_log(out, "log.jsonl.prev") == log
 
