@@ -195,7 +195,8 @@ def remove_earlier_outputs(out_dir, inputs):
     """Removes the FINAL_OUTPUTS an earlier run left in out_dir, which would sit beside this run's
     checkpoints as if made from them until this run writes its own (a resumed run's too: they were
     made at an earlier step). One that is, or holds, a path in `inputs` (this run's own) stays; a
-    link is removed, not what it points to."""
+    link is removed, not what it points to. So are the temp files and folders of a killed run's
+    unfinished writes."""
     inputs = {os.path.realpath(p) for p in inputs if p}
     for name in FINAL_OUTPUTS:
         path = os.path.join(out_dir, name)
@@ -203,6 +204,13 @@ def remove_earlier_outputs(out_dir, inputs):
         if os.path.lexists(path) and not any(i == real or i.startswith(real + os.sep) for i in inputs):
             shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
             print(f"removed {path}: an earlier run's output, not this one's")
+    # and what a killed run left half-written (a checkpoint's or an export's size, hidden or not):
+    # NAME.tmp files and directories, and exports' .NAME.tmp* ones. This run holds out_dir's lock
+    for entry in sorted(os.listdir(out_dir)):
+        if any(entry == f"{n}.tmp" or entry.startswith(f".{n}.tmp") for n in FINAL_OUTPUTS + ("ckpt.pt", "ckpt", "log.jsonl")):
+            path = os.path.join(out_dir, entry)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+            print(f"removed {path}: an unfinished write of a run that was killed")
 
 
 def atomic_save(obj, path):

@@ -774,7 +774,13 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
     # second pass: encode into a temp folder beside out_dir (os.replace works within one file system)
     out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
+    prefix = f".{os.path.basename(out_dir)}.tmp-"
+    for left in sorted(e for e in os.listdir(os.path.dirname(out_dir)) if e.startswith(prefix)):
+        left = os.path.join(os.path.dirname(out_dir), left)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(left) for f in fs)
+        print(f"warning: {left} ({size / 2 ** 20:,.1f} MiB) is the unfinished output of a data_prep.py that was "
+              f"killed, or of one still writing {out_dir}; remove it once none is")
+    tmp_dir = tempfile.mkdtemp(prefix=prefix, dir=os.path.dirname(out_dir))
     try:
         if tokenizer is None:
             with open(os.path.join(tmp_dir, "tokenizer.model"), "wb") as f:

@@ -341,6 +341,18 @@ def test_failed_run_keeps_old_outputs_and_a_new_one_replaces_them(corpus, tmp_pa
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     prepare([root], out, vocab_size=VOCAB, num_proc=1)
     assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.model", "train.bin", "val.bin"]  # old masks gone
+    assert not [e for e in os.listdir(tmp_path) if ".tmp" in e]  # no temp folder left, the failed run's neither
+
+
+def test_killed_runs_temp_folder_is_named(corpus, tmp_path, capsys):
+    # a SIGKILL leaves the hidden temp folder beside out_dir: the next run names it and its size
+    root, _ = corpus
+    left = tmp_path / ".out.tmp-x1y2"
+    left.mkdir()
+    (left / "train.bin").write_bytes(bytes(3 * 2 ** 20))
+    prepare([root], tmp_path / "out", vocab_size=VOCAB, num_proc=1)
+    assert f"warning: {left} (3.0 MiB) is the unfinished output of a data_prep.py that was killed" in capsys.readouterr().out
+    assert left.exists()  # not removed: it may be another run's, still writing
 
 
 @pytest.mark.parametrize("case, message", [

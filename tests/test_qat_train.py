@@ -299,10 +299,20 @@ def test_earlier_runs_outputs_are_removed_not_left_beside_new_weights(train, dat
     out = tmp_path / "run"
     shutil.copytree(train(**QAT, export_format="meta"), out)
     assert (out / "quantized.pt").exists() and (out / "export_meta" / "params.json").exists()
+    # what a killed run leaves half-written: a checkpoint's temp file, an export's hidden temp folders
+    killed = ["ckpt.pt.tmp", ".export_hf.tmpk2x9", ".export_hf.tmpk2x9.old", "ckpt.tmp"]
+    for name in killed:
+        (out / name).mkdir() if "export" in name or name == "ckpt.tmp" else (out / name).write_bytes(b"half")
+    (out / ".export_hf.tmpk2x9" / "model.safetensors").write_bytes(b"half")
+    (out / "notes.tmp").write_text("the user's")
     r = run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(out / "export_meta"), "max_iters": 1})
     assert f"removed {out / 'quantized.pt'}: an earlier run's output" in r.stdout
     assert not (out / "quantized.pt").exists() and (out / "export_meta" / "params.json").exists()
-    assert "removed" not in r.stdout.replace(f"removed {out / 'quantized.pt'}", "")
+    for name in killed:
+        assert f"removed {out / name}: an unfinished write of a run that was killed" in r.stdout
+        assert not (out / name).exists()
+    assert (out / "notes.tmp").exists()
+    assert r.stdout.count("removed") == 1 + len(killed)
 
 
 def test_non_finite_loss_stops_the_run_before_its_checkpoint(data, tmp_path):
