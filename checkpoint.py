@@ -191,26 +191,28 @@ def lock_dir(path):
 FINAL_OUTPUTS = ("quantized.pt", "model.pte", "export_hf", "export_meta", "model.pt", "adapter")
 
 
-def remove_earlier_outputs(out_dir, inputs):
+def remove_earlier_outputs(out_dir, inputs, locked):
     """Removes the FINAL_OUTPUTS an earlier run left in out_dir, which would sit beside this run's
     checkpoints as if made from them until this run writes its own (a resumed run's too: they were
     made at an earlier step). One that is, or holds, a path in `inputs` (this run's own) stays; a
     link is removed, not what it points to. So are the temp files and folders of a killed run's
-    unfinished writes."""
+    unfinished writes, when this run holds out_dir's lock (`locked`): else they may be another's."""
     inputs = {os.path.realpath(p) for p in inputs if p}
-    for name in FINAL_OUTPUTS:
-        path = os.path.join(out_dir, name)
+
+    def remove(path, why):
         real = os.path.realpath(path)
-        if os.path.lexists(path) and not any(i == real or i.startswith(real + os.sep) for i in inputs):
+        if not any(i == real or i.startswith(real + os.sep) for i in inputs):
             shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
-            print(f"removed {path}: an earlier run's output, not this one's")
-    # and what a killed run left half-written (a checkpoint's or an export's size, hidden or not):
-    # NAME.tmp files and directories, and exports' .NAME.tmp* ones. This run holds out_dir's lock
-    for entry in sorted(os.listdir(out_dir)):
+            print(f"removed {path}: {why}")
+
+    for name in FINAL_OUTPUTS:
+        if os.path.lexists(path := os.path.join(out_dir, name)):
+            remove(path, "an earlier run's output, not this one's")
+    # what a killed run left half-written (a checkpoint's or an export's size, hidden or not):
+    # NAME.tmp files and directories, and exports' .NAME.tmp* ones
+    for entry in sorted(os.listdir(out_dir)) if locked else ():
         if any(entry == f"{n}.tmp" or entry.startswith(f".{n}.tmp") for n in FINAL_OUTPUTS + ("ckpt.pt", "ckpt", "log.jsonl")):
-            path = os.path.join(out_dir, entry)
-            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
-            print(f"removed {path}: an unfinished write of a run that was killed")
+            remove(os.path.join(out_dir, entry), "an unfinished write of a run that was killed")
 
 
 def atomic_save(obj, path):

@@ -777,7 +777,11 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
     prefix = f".{os.path.basename(out_dir)}.tmp-"
     for left in sorted(e for e in os.listdir(os.path.dirname(out_dir)) if e.startswith(prefix)):
         left = os.path.join(os.path.dirname(out_dir), left)
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(left) for f in fs)
+        size = 0
+        for d, _, fs in os.walk(left):
+            for f in fs:
+                with contextlib.suppress(OSError):  # another run may finish, and take it away, meanwhile
+                    size += os.path.getsize(os.path.join(d, f))
         print(f"warning: {left} ({size / 2 ** 20:,.1f} MiB) is the unfinished output of a data_prep.py that was "
               f"killed, or of one still writing {out_dir}; remove it once none is")
     tmp_dir = tempfile.mkdtemp(prefix=prefix, dir=os.path.dirname(out_dir))

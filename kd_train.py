@@ -738,6 +738,7 @@ class StudentLogProbs(torch.autograd.Function):
                 out = torch.cat((top, rest[:, None]), 1)
         ctx.save_for_backward(lp, None if shared else lpt, y, keep, ids, top, rest, rest_live, t_p)
         ctx.temperature, ctx.shared = temperature, shared
+        ctx.set_materialize_grads(False)  # an output outside the loss (kd_ratio 0) gets None, not a pass over zeros
         return out, label
 
     @staticmethod
@@ -745,7 +746,11 @@ class StudentLogProbs(torch.autograd.Function):
     def backward(ctx, g, g_label):
         lp, lpt, y, keep, ids, top, rest, rest_live, t_p = ctx.saved_tensors
         T = ctx.temperature
-        g_label = g_label * keep
+        g_label = torch.zeros_like(lp[:, 0]) if g_label is None else g_label * keep
+        if g is None:  # the KD term is only logged: the CE's gradient alone
+            grad = lp.exp().mul_(-g_label[:, None])
+            grad.scatter_add_(1, y[:, None], g_label[:, None])
+            return grad, None, None, None, None
         if t_p is not None:
             per_row = g  # the KL's row gradient; the teacher's probabilities sum to 1
         elif ids is None:
@@ -986,7 +991,8 @@ def _json_or_none(line):
 
 log_file = None
 if master_process:
-    remove_earlier_outputs(out_dir, (resume_path, init_from, teacher_init))  # checkpoint.py: an earlier run's exports, not this one's
+    # checkpoint.py: an earlier run's exports, not this one's, and a killed run's temp files if out_dir is locked
+    remove_earlier_outputs(out_dir, (resume_path, init_from, teacher_init), locked=dir_lock is not None and not topk_write)
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")
@@ -1060,19 +1066,24 @@ last_log_iter = iter_num
 # the first step whose loss or gradient norm was not finite (NO_BAD_STEP: none), kept on the device
 # and read where the loop syncs anyway: at log lines, and before a checkpoint, which a NaN must not overwrite
 NO_BAD_STEP = 2 ** 62
-bad_step = torch.full((), NO_BAD_STEP, device=device)
+bad_step = torch.full((), NO_BAD_STEP, device=device)  # step * 4 + which part was not finite
 saved_iter = iter_num if init_from == "resume" else None
 
 
 def check_finite():
-    """Stops every rank, in one line, once a step's loss or gradient norm was nan or inf: training
-    on would only spread it through the weights, and into the checkpoint and the converted model."""
+    """Stops every rank, in one line, once a step's loss or gradient was nan or inf: training on
+    would only spread it through the weights, and into the checkpoint and the converted model."""
     dist.all_reduce(bad_step, op=dist.ReduceOp.MIN)
-    if (step := int(bad_step.item())) != NO_BAD_STEP:
-        pbar.close()
+    if (first := int(bad_step.item())) != NO_BAD_STEP:
+        (step, why), what = divmod(first, 4), {1: "the cross-entropy with the labels", 2: "the KD term", 3: "the gradient norm"}
         kept = f"{out_dir} keeps the checkpoint of step {saved_iter}" if saved_iter is not None else "no checkpoint was written"
-        fail(f"step {step}: the loss or the gradient norm is not finite; stopped, and {kept}. Lower learning_rate "
-             f"or grad_clip, or train in float32 to see whether the precision is the cause")
+        hint = (f"check the teacher ({teacher_topk_dir or teacher_init})" if why == 2 else "lower learning_rate or grad_clip"
+                + ("" if ptdtype == torch.float32 else ", or train in float32 to see whether the precision is the cause"))
+        if master_process:
+            pbar.close()
+            print(f"error: step {step}: {what[why]} is not finite; stopped, and {kept}; {hint}", file=sys.stderr, flush=True)
+        dist.barrier()  # rank 0's line out first: torchrun stops every rank at the first exit
+        sys.exit(2)
 
 
 def mix(ce, kd):
@@ -1112,8 +1123,11 @@ with profiler as prof:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
-        bad_step = torch.where(mix(ce_sum, kd_sum).isfinite() & grad_norm.to_local().isfinite() | (bad_step != NO_BAD_STEP),
-                               bad_step, iter_num)
+        # this step's verdict, kept on the device (no sync): 0 finite, 1 the CE, 2 the KD term (unless
+        # kd_ratio is 0: then it is only logged), 3 the gradient
+        verdict = torch.where(ce_sum.isfinite(), torch.where(kd_sum.isfinite() | (kd_ratio == 0),
+                                                             torch.where(grad_norm.to_local().isfinite(), 0, 3), 2), 1)
+        bad_step = torch.where((bad_step == NO_BAD_STEP) & (verdict > 0), iter_num * 4 + verdict, bad_step)
         pbar.update(1)
         if profile:
             prof.step()
@@ -1122,7 +1136,7 @@ with profiler as prof:
             check_finite()
             sums = torch.stack((ce_sum, kd_sum))
             dist.all_reduce(sums)
-            class_loss, kd_loss_val = (sums / n_tokens).tolist()  # the one host sync of a log step
+            class_loss, kd_loss_val = (sums / n_tokens).tolist()  # a log step's host sync, with check_finite's
             loss_val = mix(class_loss, kd_loss_val)
             tps = tokens_per_iter * (iter_num - last_log_iter) / (time.perf_counter() - t0)
             t0, last_log_iter = time.perf_counter(), iter_num

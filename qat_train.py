@@ -460,11 +460,17 @@ groups = [{"params": [p for p in params if p.ndim >= 2 and p not in scales], "we
           {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
           {"params": [p for p in params if p in scales], "weight_decay": 0.0, "lr_ratio": range_lr_ratio}]
 opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=True)  # one kernel per step, on GPUs and CPUs alike
+grad_finite = torch.ones((), dtype=torch.bool, device=device)  # optimizer_in_bwd: this step's gradients so far
 if optimizer_in_bwd:
     optimizers = [torch.optim.AdamW([{**g, "params": [p]}], **opt_kw) for g in groups for p in g["params"]]
+
+    def step_in_backward(p, opt):
+        grad_finite.logical_and_(p.grad.to_local().isfinite().all())  # the step spends the gradient: look first
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     for opt in optimizers:
-        p = opt.param_groups[0]["params"][0]
-        p.register_post_accumulate_grad_hook(lambda p, opt=opt: (opt.step(), opt.zero_grad(set_to_none=True)))
+        opt.param_groups[0]["params"][0].register_post_accumulate_grad_hook(lambda p, opt=opt: step_in_backward(p, opt))
 else:
     optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **opt_kw)]
 
@@ -600,7 +606,8 @@ def _json_or_none(line):
 
 log_file = None
 if master_process:
-    remove_earlier_outputs(out_dir, (resume_path, init_from))  # checkpoint.py: an earlier run's exports, not this one's
+    # checkpoint.py: an earlier run's exports, not this one's, and a killed run's temp files if out_dir is locked
+    remove_earlier_outputs(out_dir, (resume_path, init_from), locked=out_dir_lock is not None)
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")
@@ -675,19 +682,24 @@ last_log_iter = iter_num
 # the first step whose loss or gradient norm was not finite (NO_BAD_STEP: none), kept on the device
 # and read where the loop syncs anyway: at log lines, and before a checkpoint, which a NaN must not overwrite
 NO_BAD_STEP = 2 ** 62
-bad_step = torch.full((), NO_BAD_STEP, device=device)
+bad_step = torch.full((), NO_BAD_STEP, device=device)  # step * 4 + which part was not finite
 saved_iter = iter_num if init_from == "resume" else None
 
 
 def check_finite():
-    """Stops every rank, in one line, once a step's loss or gradient norm was nan or inf: training
-    on would only spread it through the weights, and into the checkpoint and the converted model."""
+    """Stops every rank, in one line, once a step's loss or gradient was nan or inf: training on
+    would only spread it through the weights, and into the checkpoint and the converted model."""
     dist.all_reduce(bad_step, op=dist.ReduceOp.MIN)
-    if (step := int(bad_step.item())) != NO_BAD_STEP:
-        pbar.close()
+    if (first := int(bad_step.item())) != NO_BAD_STEP:
+        (step, why), what = divmod(first, 4), {1: "the loss", 2: "the gradient"}
         kept = f"{out_dir} keeps the checkpoint of step {saved_iter}" if saved_iter is not None else "no checkpoint was written"
-        fail(f"step {step}: the loss or the gradient norm is not finite; stopped, and {kept}. Lower learning_rate "
-             f"or grad_clip, or train in float32 to see whether the precision is the cause")
+        hint = "lower learning_rate or grad_clip" + ("" if ptdtype == torch.float32 else
+                                                    ", or train in float32 to see whether the precision is the cause")
+        if master_process:
+            pbar.close()
+            print(f"error: step {step}: {what[why]} is not finite; stopped, and {kept}; {hint}", file=sys.stderr, flush=True)
+        dist.barrier()  # rank 0's line out first: torchrun stops every rank at the first exit
+        sys.exit(2)
 
 
 with profiler as prof:
@@ -712,6 +724,7 @@ with profiler as prof:
         dist.all_reduce(n_tokens)
         n_tokens.clamp_(min=1)  # a step whose every target is masked contributes nothing, not NaN
         loss_sum = torch.zeros((), device=device)
+        grad_finite.fill_(True)
         for micro, (x, y, pos) in enumerate(batches):
             if accumulate_unsharded:  # reduce once per step; else each micro-batch's gradient is reduce-scattered
                 model.set_requires_gradient_sync(micro == len(batches) - 1)
@@ -724,8 +737,10 @@ with profiler as prof:
             optimizers[0].step()
             optimizers[0].zero_grad(set_to_none=True)
         iter_num += 1
-        finite = loss_sum.isfinite() if optimizer_in_bwd else loss_sum.isfinite() & grad_norm.to_local().isfinite()
-        bad_step = torch.where(finite | (bad_step != NO_BAD_STEP), bad_step, iter_num)
+        # this step's verdict, kept on the device (no sync): 0 finite, 1 the loss, 2 the gradient
+        grad_ok = grad_finite if optimizer_in_bwd else grad_norm.to_local().isfinite()
+        verdict = torch.where(loss_sum.isfinite(), torch.where(grad_ok, 0, 2), 1)
+        bad_step = torch.where((bad_step == NO_BAD_STEP) & (verdict > 0), iter_num * 4 + verdict, bad_step)
         pbar.update(1)
         if profile:
             prof.step()
@@ -733,7 +748,7 @@ with profiler as prof:
         if iter_num % log_interval == 0 or iter_num == max_iters:
             check_finite()
             dist.all_reduce(loss_sum)
-            loss_val = loss_sum.item() / n_tokens.item()  # the one host sync of a log step
+            loss_val = loss_sum.item() / n_tokens.item()  # a log step's host sync, with check_finite's
             tps = tokens_per_iter * (iter_num - last_log_iter) / (time.perf_counter() - t0)
             t0, last_log_iter = time.perf_counter(), iter_num
             mfu = flops_token * tps / world_size / peak

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from checkpoint import (  # noqa: E402
-    export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, save_adapter,
+    export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, remove_earlier_outputs, save_adapter,
 )
 from model import PRESETS, ModelArgs, Transformer, merge_lora  # noqa: E402
 
@@ -338,3 +338,13 @@ def test_export_refuses_missing_tokenizer_file(tmp_path):
         with pytest.raises(ValueError, match=r"has the name of a file the export writes itself"):
             export(build(args).state_dict(), args, tmp_path / "out", tokenizer_files=[str(tmp_path / own_file)])
     assert sorted(os.listdir(tmp_path)) == ["config.json", "params.json"]  # nothing half-written
+
+
+def test_killed_runs_temp_files_go_only_when_out_dir_is_locked_and_not_an_input(tmp_path, capsys):
+    for name in ("ckpt.pt.tmp", ".export_hf.tmpab", "ckpt.tmp"):
+        (tmp_path / name).mkdir() if name != "ckpt.pt.tmp" else (tmp_path / name).write_bytes(b"half")
+    remove_earlier_outputs(tmp_path, (), locked=False)  # no lock: they may be another run's, mid-write
+    assert capsys.readouterr().out == "" and len(os.listdir(tmp_path)) == 3
+    remove_earlier_outputs(tmp_path, (str(tmp_path / "ckpt.tmp"),), locked=True)  # this run's input stays
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.tmp"]
+    assert capsys.readouterr().out.count("an unfinished write of a run that was killed") == 2

@@ -80,3 +80,23 @@ def test_gradient_equals_autograd(name):
         assert a.grad[:, n_vocab:].abs().sum() > 0  # padding rows: the CE's gradient only
     if k is not None and k < n_vocab:
         assert out_a[0, -1].item() == pytest.approx(math.log(torch.finfo(torch.float32).eps))  # floored
+
+
+@pytest.mark.parametrize("used", ["label", "out"])
+@pytest.mark.parametrize("name", ["online-T2-padded", "top8-T2"])
+def test_gradient_when_one_output_is_outside_the_loss(name, used):
+    # kd_ratio 0 logs the KD term detached: its output gets no gradient (None), and the CE's
+    # gradient is all there is; and the other way round
+    V, n_vocab, k, T = CASES[name]
+    gen = torch.Generator().manual_seed(1)
+    N = 24
+    z = torch.randn(N, V, generator=gen, dtype=torch.float64) * 3
+    y = torch.randint(0, n_vocab, (N,), generator=gen)
+    y[2] = IGNORE_INDEX
+    ids = None if k is None else torch.argsort(torch.randn(N, n_vocab, generator=gen), 1)[:, :k]
+    a, b = z.clone().requires_grad_(), z.clone().requires_grad_()
+    out_a, label_a = student_log_probs(n_vocab).apply(a, y, ids, T, None)
+    out_b, label_b = reference(b, y, ids, T, n_vocab)
+    (label_a.sum() if used == "label" else out_a.sum()).backward()
+    (label_b.sum() if used == "label" else out_b.sum()).backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-12)

@@ -293,7 +293,8 @@ def test_non_finite_teacher(setup, tmp_path):
     ], tmp_path, check=False)
     assert code0 in (0, None), err0[-2000:]
     assert all(math.isfinite(r["loss"]) and math.isnan(r["kd_loss"]) for r in train_lines(read_log(tmp_path / "zero")))
-    assert code == 2 and "step 1: the loss or the gradient norm is not finite; stopped, and no checkpoint was written" in err, err[-2000:]
+    assert code == 2 and (f"step 1: the KD term is not finite; stopped, and no checkpoint was written; check the teacher "
+                          f"({tmp_path / 'inf_teacher.pt'})") in err, err[-2000:]
     assert not (tmp_path / "half" / "ckpt.pt").exists()
 
 
