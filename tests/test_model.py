@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]

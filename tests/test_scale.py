@@ -4,7 +4,6 @@ a save; the single-file conversion of one; and the memory plan's activation form
 bytes autograd really saves."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
