@@ -636,12 +636,35 @@ def _hf_config(args, dtype, bos_id=None, eos_id=None):
     return config
 
 
+def _hf_tokenizer_config(tokenizer_model):
+    """tokenizer_config.json for a tokenizer.model that comes without one (data_prep's SentencePiece
+    model, Meta's Llama 3 tiktoken file): without it transformers' AutoTokenizer puts no BOS before
+    a text, and reads a tiktoken file without its special tokens, so the export would see ids it
+    never saw in training. With it, it encodes text as data_prep did."""
+    from data_prep import LLAMA3_SPECIALS, load_tokenizer
+    tok = load_tokenizer(tokenizer_model)
+    if tok.kind == "tiktoken":
+        names = dict(enumerate(LLAMA3_SPECIALS, tok.vocab_size - len(LLAMA3_SPECIALS)))
+        special = dict(lstrip=False, rstrip=False, normalized=False, single_word=False, special=True)
+        config = {"bos_token": names[tok.bos_id], "eos_token": names[tok.eos_id],
+                  "added_tokens_decoder": {str(i): {"content": t, **special} for i, t in names.items()}}
+    else:
+        import sentencepiece as spm
+        sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+        config = {"bos_token": sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None, "eos_token": sp.id_to_piece(tok.eos_id)}
+    return {**config, "add_bos_token": tok.bos_id is not None, "add_eos_token": False}
+
+
 def export_hf(state_dict, args, out_dir, tokenizer_files=(), bos_id=None, eos_id=None, provenance=None):
     """config.json + model.safetensors + generation_config.json, as transformers'
     LlamaForCausalLM (MistralForCausalLM with a sliding window) loads them, plus copies of
-    tokenizer_files and nanotune.json holding the provenance dict. eos_id may be a list."""
+    tokenizer_files and nanotune.json holding the provenance dict. eos_id may be a list. A
+    tokenizer.model without a tokenizer_config.json gets one (_hf_tokenizer_config)."""
     _check_tokenizer_files(tokenizer_files, ("config.json", "generation_config.json", "model.safetensors",
                                              "nanotune.json"))
+    names = {os.path.basename(f): f for f in tokenizer_files}
+    tokenizer_config = (_hf_tokenizer_config(names["tokenizer.model"])
+                        if "tokenizer.model" in names and "tokenizer_config.json" not in names else None)
     sd = _plain(state_dict, args)
     if args.tie_embeddings:  # safetensors refuses shared tensors, and transformers re-ties them
         del sd["output.weight"]
@@ -653,6 +676,8 @@ def export_hf(state_dict, args, out_dir, tokenizer_files=(), bos_id=None, eos_id
         # transformers refuses safetensors files without the format in their metadata
         save_file({k: v.contiguous() for k, v in meta_to_hf(sd, args).items()},
                   os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer_config:
+            _write_json(tokenizer_config, os.path.join(tmp, "tokenizer_config.json"))
         _finish(tmp, tokenizer_files, provenance)
 
 

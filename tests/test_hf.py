@@ -280,3 +280,31 @@ def test_rope_frequencies_of_real_llama3_configs(factor):
     cos, sin = rope_tables(128, 2, 500000.0)
     plain = torch.atan2(sin[1], cos[1])
     assert (ours < plain).sum() > 0 and (ours == plain).sum() > 0  # some stretched, some kept
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "sentencepiece-dummy-prefix", "tiktoken"])
+def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_path, kind):
+    # a tokenizer.model alone (data_prep's SentencePiece model, Llama 2's, Meta's Llama 3 tiktoken
+    # file): the export adds the tokenizer_config.json without which AutoTokenizer drops the BOS
+    # and, for tiktoken, the special tokens
+    sys.path.insert(0, str(ROOT / "tests"))
+    import sentencepiece as spm
+    from data_prep import load_tokenizer
+    from test_tokenizers import TEXTS, write_sentencepiece, write_tiktoken
+    src = tmp_path / "tokenizer.model"
+    if kind == "tiktoken":
+        write_tiktoken(src)
+    elif kind == "sentencepiece":
+        write_sentencepiece(src)
+    else:  # as Llama 2's: a space put in front of every text
+        spm.SentencePieceTrainer.train(sentence_iterator=iter("".join(TEXTS.values()).splitlines()), model_writer=open(src, "wb"),
+                                       vocab_size=400, model_type="bpe", byte_fallback=True, add_dummy_prefix=True)
+    ours = load_tokenizer(src)
+    args, sd = load_checkpoint(str(save_hf(hf_model("llama2"), tmp_path / "src", "5.x")))
+    export_hf(sd, args, tmp_path / "out", tokenizer_files=[str(src)], bos_id=ours.bos_id, eos_id=ours.eos_id)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    texts = [t for t in TEXTS.values() if "<|" not in t] + ["hello world", " a leading space", "x\n\ny"]
+    for text in texts:  # (specials written in a text are text to data_prep, special tokens to transformers)
+        assert hf(text).input_ids == [ours.bos_id] + ours.encode(text), text
+    assert (hf.bos_token_id, hf.eos_token_id) == (ours.bos_id, ours.eos_id)
+    assert hf.decode([ours.eos_id]) == ("<|end_of_text|>" if kind == "tiktoken" else "</s>")
