@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, make_data, read_log, script_env
 
 SMALL = ["--preset", "toy", "--batch_size", "4", "--block_size", "32"]
@@ -40,7 +42,8 @@ def test_speed_report(tmp_path):
     # the KD step's bound, measured: plain step + one teacher forward, beside the KD row's ratio
     note = re.search(r"- float32: one teacher forward.* ([0-9.]+) ms; plain step \+ it = ([0-9.]+)x plain, "
                      r"the eager KD step ([0-9.]+)x", text)
-    assert note and 0 < float(note[1]) < plain["ms_per_step"] and float(note[2]) > 1
+    # (no timing compared: on a busy machine the forward alone can take longer than a step)
+    assert note and float(note[1]) > 0 and float(note[2]) == pytest.approx(1 + float(note[1]) / plain["ms_per_step"], abs=0.01)
     assert float(note[3]) == round(res[2]["ratio_to_plain"], 2)
 
 
