@@ -129,6 +129,35 @@ def load_provenance(path):
         return json.load(f)
 
 
+def source_stop_ids(path, ckpt):
+    """The ids a model stops generating at, as its source says beyond the tokenizer's EOS: an HF
+    directory's generation_config.json (or config.json) eos_token_id, which for an Instruct model
+    lists several (Llama 3.1: end of text, of a tool call, of a turn); or what a nanotune
+    checkpoint `ckpt` carried on from its own source. [] when neither says."""
+    if ckpt:
+        return list(ckpt.get("stop_ids", []))
+    for name in ("generation_config.json", "config.json") if os.path.isdir(str(path)) else ():
+        if os.path.isfile(file := os.path.join(path, name)):
+            with open(file) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+def stop_ids(data_meta, source_ids):
+    """An export's eos_token_id: the data's EOS, then the source model's stop ids, and for Llama 3's
+    tiktoken tokenizer the end of a turn and of a tool call, where Meta's own code stops too; one
+    id alone as an int, as transformers writes it."""
+    ids = [data_meta["eos_id"]] if data_meta.get("eos_id") is not None else []
+    if (data_meta.get("tokenizer") or {}).get("kind") == "tiktoken":
+        from data_prep import LLAMA3_SPECIALS
+        first = data_meta["vocab_size"] - len(LLAMA3_SPECIALS)
+        ids += [first + LLAMA3_SPECIALS.index(t) for t in ("<|eom_id|>", "<|eot_id|>")]
+    ids = list(dict.fromkeys(ids + list(source_ids)))
+    return ids[0] if len(ids) == 1 else ids or None
+
+
 def tokenizer_of(path, ckpt, data_kind=None):
     """The fingerprint of the tokenizer a model was trained with, where it says so: recorded in a
     nanotune checkpoint (`ckpt`, its loaded dict) or export, or the tokenizer file of an HF / Meta

@@ -69,7 +69,7 @@ from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch, export_hf, export_meta,
                         load_checkpoint, load_sharded_checkpoint, lock_dir, remove_earlier_outputs, save_adapter,
-                        save_training_checkpoint, sharded_dir, tokenizer_of)
+                        save_training_checkpoint, sharded_dir, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
                    flops_per_token, fuse_fake_quant, initial_scales, learn_scales, mark_only_lora_trainable, merge_lora, peak_flops,
@@ -273,16 +273,19 @@ def load_or_fail(name, path):
     if args.lora_rank:  # a LoRA student of an earlier run: start from its merged weights
         state = merge_lora(state, args)
         args.lora_rank = 0
-    return args, state
+    return args, state, source_stop_ids(path, ckpt)
 
 
 # the student's shape: from the checkpoint, or from the preset and overrides; then our LoRA
-init_state, ckpt = None, {}
+# source_stops: the source model's stop ids beyond the data's EOS (an Instruct model lists several),
+# carried in the checkpoints and written to the export's generation config
+init_state, ckpt, source_stops = None, {}, []
 if init_from == "resume":
     # our own checkpoint: model (adapters included), optimizer and position
     ckpt = torch.load(os.path.join(sharded_from, "state.pt") if sharded_from else resume_path,
                       map_location="cpu", mmap=True, weights_only=True)
     model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt.get("model")  # sharded: read later
+    source_stops = source_stop_ids(resume_path, ckpt)
     try:  # these decide which batches a step sees, what is trained, or what the weights were trained for
         check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init",
                                     "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
@@ -300,7 +303,7 @@ elif init_from == "scratch":
     except ValueError as e:  # a shape that cannot be, e.g. n_head not dividing n_embd
         fail(str(e))
 else:
-    model_args, init_state = load_or_fail("init_from", init_from)
+    model_args, init_state, source_stops = load_or_fail("init_from", init_from)
 if init_from != "resume":
     model_args.lora_rank, model_args.lora_alpha = lora_rank, lora_alpha
     model_args.lora_dropout, model_args.lora_targets = lora_dropout, tuple(lora_targets)
@@ -308,7 +311,7 @@ if init_from != "resume":
         model_args.__post_init__()  # validates the LoRA targets
     except ValueError as e:
         fail(str(e))
-teacher_args, teacher_state = (None, None) if from_store else load_or_fail("teacher_init", teacher_init)
+teacher_args, teacher_state, _ = (None, None, None) if from_store else load_or_fail("teacher_init", teacher_init)
 
 # vocabularies: rows past the tokenizer's size are padding and are sliced off; more rows than
 # padding would explain means the two models were trained with different tokenizers
@@ -888,7 +891,7 @@ def save_checkpoint():
     small = {"script": "kd_train.py", "model_args": vars(model_args).copy(), "iter_num": iter_num,
              "epoch": iter_num // steps_per_epoch, "config": config, "quantizer": quantizer, "group_size": group_size,
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1), "teacher_init": teacher_init,
-             "teacher_val_loss": teacher_val_loss, "tokenizer": data_tokenizer, "data": data_meta.get("data"), "rng": rngs}
+             "teacher_val_loss": teacher_val_loss, "tokenizer": data_tokenizer, "data": data_meta.get("data"), "stop_ids": source_stops, "rng": rngs}
     save_training_checkpoint(model, [optimizer], small, out_dir, sharded_checkpoint)
 
 
@@ -1184,7 +1187,7 @@ if master_process:
         save_adapter(adapter_state_dict(cpu_state), model_args, os.path.join(out_dir, "adapter"))
     if not save_adapter_only:
         atomic_save({"model": merged, "model_args": vars(merged_args).copy(), "iter_num": iter_num, "config": config,
-                     "tokenizer": data_tokenizer},
+                     "tokenizer": data_tokenizer, "stop_ids": source_stops},
                     os.path.join(out_dir, "model.pt"))
     tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
     provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config}
@@ -1192,7 +1195,7 @@ if master_process:
         export_meta(merged, merged_args, os.path.join(out_dir, "export_meta"), tokenizer_files, provenance)
     elif export_format == "hf":
         export_hf(merged, merged_args, os.path.join(out_dir, "export_hf"), tokenizer_files, data_meta.get("bos_id"),
-                  data_meta.get("eos_id"), provenance)
+                  stop_ids(data_meta, source_stops), provenance)
 if quant_bits is not None:
     # Conversion runs on rank 0 alone: torchao's quantized tensors are not shardable by FSDP, and a
     # copy converted on every rank is that many times the work and the memory. Rank 0 converts in

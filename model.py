@@ -398,8 +398,9 @@ class Transformer(nn.Module):
         values from per-layer caches that live only during this call. A context longer than
         max_seq_len has positions beyond the RoPE tables: from then on each step re-runs the last
         max_seq_len tokens from position 0, as use_cache=False does at every step, so a long
-        generation slows down rather than fails."""
+        generation slows down rather than fails. eos_id: an id or a list of them, where a sequence ends."""
         L = self.args.max_seq_len
+        eos = None if eos_id is None else torch.tensor(eos_id, device=tokens.device).view(-1)
         caches = None
         for _ in range(max_new_tokens):
             T = tokens.shape[1]
@@ -420,7 +421,7 @@ class Transformer(nn.Module):
                     logits[logits < kth] = -float("inf")
                 nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
             tokens = torch.cat((tokens, nxt), 1)
-            if eos_id is not None and (nxt == eos_id).all():
+            if eos is not None and torch.isin(nxt, eos).all():
                 break
         return tokens
 

@@ -47,7 +47,7 @@ from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
                         load_sharded_checkpoint, lock_dir, remove_earlier_outputs, save_training_checkpoint, sharded_dir,
-                        tokenizer_of)
+                        source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
                    initial_scales, learn_scales, merge_lora, peak_flops, restart_scales, weights_only)
@@ -231,6 +231,9 @@ if init_from == "resume":  # these decide which batches a step sees, or what the
 # whether the loaded weights were trained with this very fake quantization (so converting them is QAT)
 same_quant = "config" in ckpt and all(ckpt["config"].get(k) == globals()[k] for k in quant_settings)
 ckpt_fake_quant = bool(ckpt.get("fake_quant")) and same_quant
+# the source model's stop ids beyond the data's EOS (an Instruct model lists several): carried in
+# the checkpoints, written to the export's generation config
+source_stops = source_stop_ids(resume_path, ckpt) if init_from != "scratch" else []
 # scales learned by range_learning: training state, which load_checkpoint leaves out of the weights
 ckpt_scales = {k: v for k, v in ckpt.get("model", {}).items() if k.endswith("learned_scale")} if same_quant else {}
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
@@ -593,7 +596,7 @@ def save_checkpoint():
              "epoch": iter_num // max(steps_per_epoch, 1), "config": config, "quantizer": quantizer, "group_size": group_size,
              # how these weights were trained (the last step taken), as ckpt_fake_quant reads it
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
-             "tokenizer": data_tokenizer, "data": data_meta.get("data"), "rng": rngs}
+             "tokenizer": data_tokenizer, "data": data_meta.get("data"), "stop_ids": source_stops, "rng": rngs}
     save_training_checkpoint(model, optimizers, small, out_dir, sharded_checkpoint)
 
 
@@ -789,7 +792,8 @@ if export_format in ("hf", "meta"):  # the trained full-precision weights, for t
         tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
         provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config}
         if export_format == "hf":
-            export_hf(fp_state, model_args, export_dir, tokenizer_files, data_meta.get("bos_id"), data_meta.get("eos_id"), provenance)
+            export_hf(fp_state, model_args, export_dir, tokenizer_files, data_meta.get("bos_id"), stop_ids(data_meta, source_stops),
+                      provenance)
         else:
             export_meta(fp_state, model_args, export_dir, tokenizer_files, provenance)
         print(f"exported: {export_dir}")
@@ -809,7 +813,8 @@ if quant_bits is not None:
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
-                     "range_learning": range_learning, "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
+                     "range_learning": range_learning, "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer,
+                     "stop_ids": source_stops},
                     os.path.join(out_dir, "quantized.pt"))
         if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
             export_executorch(qmodel.to("cpu"), os.path.join(out_dir, "model.pte"))

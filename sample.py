@@ -21,7 +21,7 @@ logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 import torchao  # noqa: F401  (registers the quantized tensor types quantized.pt holds)
 
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, source_stop_ids, stop_ids
 from data_prep import load_tokenizer, tokenizer_mismatch
 from model import Transformer, merge_lora
 
@@ -56,10 +56,14 @@ if os.path.isfile(ckpt_file):  # training checkpoints record the fingerprint of 
     except Exception:  # not a checkpoint torch can read: load_checkpoint below says why
         ckpt = None
     recorded = ckpt.get("tokenizer") if isinstance(ckpt, dict) else None
+    source_stops = source_stop_ids(init_from, ckpt) if isinstance(ckpt, dict) else []
     del ckpt
 else:  # an HF or Meta directory: its own tokenizer, if it has one
     has_own = any(os.path.isfile(os.path.join(init_from, n)) for n in ("tokenizer.json", "tokenizer.model"))
     recorded = load_tokenizer(init_from).fingerprint() if tokenizer and has_own else None
+    source_stops = source_stop_ids(init_from, None)
+# generation stops at the EOS, and where the source model says it stops too (an Instruct model's end of turn)
+stops = stop_ids({"eos_id": tok.eos_id, "tokenizer": {"kind": tok.kind}, "vocab_size": tok.vocab_size}, source_stops)
 if recorded and (diff := tokenizer_mismatch(recorded, tok.fingerprint())):
     raise SystemExit(f"error: tokenizer {tokenizer or ckpt_dir} is not the one {init_from} was trained with ({diff}); "
                      f"leave --tokenizer out to use the one beside the checkpoint")
@@ -116,7 +120,7 @@ print(f"{init_from}: {'quantized' if quantized else 'full precision'}, {sum(p.nu
 
 def timed_generate(n):
     t0 = time.perf_counter()
-    y = model.generate(x, n, temperature=temperature, top_k=top_k, eos_id=tok.eos_id)
+    y = model.generate(x, n, temperature=temperature, top_k=top_k, eos_id=stops)
     return y, time.perf_counter() - t0
 
 

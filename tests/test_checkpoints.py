@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 from checkpoint import (  # noqa: E402
     export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, remove_earlier_outputs, save_adapter,
+    source_stop_ids, stop_ids,
 )
 from model import PRESETS, ModelArgs, Transformer, merge_lora  # noqa: E402
 
@@ -348,3 +349,16 @@ def test_killed_runs_temp_files_go_only_when_out_dir_is_locked_and_not_an_input(
     remove_earlier_outputs(tmp_path, (str(tmp_path / "ckpt.tmp"),), locked=True)  # this run's input stays
     assert sorted(os.listdir(tmp_path)) == ["ckpt.tmp"]
     assert capsys.readouterr().out.count("an unfinished write of a run that was killed") == 2
+
+
+def test_stop_ids(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert source_stop_ids(str(tmp_path), None) == [7]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))  # it wins, as in transformers
+    assert source_stop_ids(str(tmp_path), None) == [9, 7] and source_stop_ids("ckpt.pt", {"stop_ids": [3]}) == [3]
+    assert source_stop_ids(str(tmp_path / "nowhere"), None) == [] and source_stop_ids(str(tmp_path), {"iter_num": 1}) == []
+    plain = {"eos_id": 2, "vocab_size": 300, "tokenizer": {"kind": "sentencepiece"}}
+    assert stop_ids(plain, []) == 2 and stop_ids(plain, [9, 2]) == [2, 9] and stop_ids({}, []) is None
+    # Llama 3's tiktoken tokenizer: where Meta's code stops, end of text, of a tool call (eom) and of a turn (eot)
+    tiktoken = {"eos_id": 128001, "vocab_size": 128256, "tokenizer": {"kind": "tiktoken"}}
+    assert stop_ids(tiktoken, [128009]) == [128001, 128008, 128009]

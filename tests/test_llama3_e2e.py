@@ -56,11 +56,18 @@ def llama32(tmp_path_factory):
 
 def test_qat_from_hf_directory_exports_what_transformers_loads(llama32, tmp_path):
     hf_dir, data = llama32
+    # an Instruct model's generation config stops at several ids (Llama 3.1: end of text, of a tool call, of a turn)
+    hf_dir = Path(shutil.copytree(hf_dir, tmp_path / "instruct"))
+    generation = json.loads((hf_dir / "generation_config.json").read_text())
+    (hf_dir / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [5, 2]}))
     out = tmp_path / "out"
     run("qat_train.py", init_from=str(hf_dir), data_dir=str(data), out_dir=str(out), export_format="hf", **TRAIN)
     export = out / "export_hf"
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["tie_word_embeddings"] and cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["head_dim"] == 32
+    # the data's EOS first, then the source's other stop ids: carried through the checkpoint to the export
+    assert cfg["eos_token_id"] == json.loads((export / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
+    assert torch.load(out / "ckpt.pt", weights_only=True)["stop_ids"] == [5, 2]
     assert (export / "tokenizer.json").exists() and (export / "generation_config.json").exists()
     # the export computes what the trained checkpoint computes, in transformers
     args, sd = load_checkpoint(str(out / "ckpt.pt"))

@@ -410,6 +410,9 @@ def test_generate_stops_at_eos():
     out = model.generate(prompt, 8, temperature=0, eos_id=eos)
     assert torch.equal(out, full[:, : 5 + first + 1])
     assert out.shape[1] < full.shape[1]
+    # several stop ids (an Instruct model's end of turn beside the EOS): the first one met ends it
+    never = next(i for i in range(model.args.vocab_size) if i not in full)
+    assert torch.equal(model.generate(prompt, 8, temperature=0, eos_id=[never, eos]), out)
 
 
 # ---------------------------------------------------------------------------------------------
