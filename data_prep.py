@@ -132,10 +132,12 @@ class Tokenizer:
     kind is 'sentencepiece', 'hf' or 'tiktoken'; files are the paths that define it (the first is
     the vocabulary itself); bos_id is None when the tokenizer puts no BOS before a text."""
 
-    def __init__(self, kind, files, vocab_size, bos_id, eos_id, encode, decode):
+    def __init__(self, kind, files, vocab_size, bos_id, eos_id, encode, decode, specials=()):
         self.kind, self.files, self.vocab_size = kind, files, vocab_size
         self.bos_id, self.eos_id = bos_id, eos_id
         self.encode, self.decode = encode, decode
+        # the special tokens' strings, which encode() reads as plain text where a text holds them
+        self.specials = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
         # a tokenizer that puts a space in front of every text it encodes (SentencePiece's dummy
         # prefix: Llama 2, Mistral) would put one inside a document at each piece boundary too
         self._after_newline = encode("\n")
@@ -248,7 +250,8 @@ def load_tokenizer(path):
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if sp.id_to_piece(eos_id := sp.piece_to_id(eos)) != eos:
             raise DataPrepError(f"{extras[0]} names eos_token {eos!r}, which {path} does not have")
-    return Tokenizer("sentencepiece", [path] + extras, sp.vocab_size(), bos_id, eos_id, sp.encode, sp.decode)
+    controls = [sp.id_to_piece(i) for i in range(sp.vocab_size()) if sp.is_control(i)]
+    return Tokenizer("sentencepiece", [path] + extras, sp.vocab_size(), bos_id, eos_id, sp.encode, sp.decode, controls)
 
 
 def _tokenizer_config(path):
@@ -294,7 +297,8 @@ def _hf_tokenizer(path, data):
     return Tokenizer("hf", [path] + extras, max(tok.get_vocab(with_added_tokens=True).values()) + 1,
                      bos_id if add_bos else None, eos_id,
                      lambda text: tok.encode(text, add_special_tokens=False).ids,
-                     lambda ids: tok.decode(list(ids), skip_special_tokens=False))
+                     lambda ids: tok.decode(list(ids), skip_special_tokens=False),
+                     [t.content for t in tok.get_added_tokens_decoder().values() if t.special])
 
 
 def _tiktoken_ranks(data):
@@ -328,7 +332,7 @@ def _tiktoken_tokenizer(path, ranks):
         return ids
 
     return Tokenizer("tiktoken", [path], n + len(specials), specials["<|begin_of_text|>"],
-                     specials["<|end_of_text|>"], encode, lambda ids: enc.decode(list(ids)))
+                     specials["<|end_of_text|>"], encode, lambda ids: enc.decode(list(ids)), list(specials))
 
 
 def _split_long_runs(s, limit=MAX_NO_WHITESPACES_CHARS):
@@ -575,11 +579,19 @@ def _init_encoder(tokenizer_path, dtype, packed):
     _encoder = (load_tokenizer(tokenizer_path), dtype, packed)
 
 
+def _specials_in(tok, units):
+    """(how many of the units hold a special token's string, the first one found): encoded as plain text."""
+    found = [m[0] for u in units if tok.specials and (m := [m for t in u[:2] if t for m in tok.specials.findall(t)])]
+    return len(found), found[0] if found else None
+
+
 def _encode_chunk(chunk):
-    """Encode (prompt, text, is_val, first, last) units. Flat: ({is_val: ids}, n_units), BOS before a
-    document's first piece and EOS after its last. Packed: [(is_val, BOS prompt response EOS, n_prompt)]."""
+    """Encode (prompt, text, is_val, first, last) units. Flat: ({is_val: ids}, n_units, specials), BOS
+    before a document's first piece and EOS after its last. Packed: ([(is_val, BOS prompt response EOS,
+    n_prompt)], specials). specials: _specials_in's count and example."""
     tok, dtype, packed = _encoder
     bos = [] if tok.bos_id is None else [tok.bos_id]
+    specials = _specials_in(tok, chunk)
     if packed:
         out = []
         for prompt, text, is_val, _, _ in chunk:
@@ -588,14 +600,14 @@ def _encode_chunk(chunk):
             p = tok.encode(prompt) if prompt else []
             ids = bos + p + (tok.encode(text) if text else []) + [tok.eos_id]
             out.append((is_val, np.array(ids, dtype), len(bos) + len(p)))
-        return out
+        return out, specials
     out = {False: [], True: []}
     for _, text, is_val, first, last in chunk:
         ids = out[is_val]
         ids += bos if first else []
         ids += tok.encode(text) if first else tok.encode_rest(text)  # a later piece starts after a newline
         ids += [tok.eos_id] if last else []
-    return {k: np.array(v, dtype) for k, v in out.items()}, len(chunk)
+    return {k: np.array(v, dtype) for k, v in out.items()}, len(chunk), specials
 
 
 class _Packer:
@@ -817,11 +829,13 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
                                            file=sys.stderr, disable=None))
             packers = {v: _Packer(lambda part, a, s=s: write(f"{s}{part}.bin", a), block_size, tok.eos_id, dtype,
                                   pos_dtype, long_samples) for v, s in ((False, "train"), (True, "val"))} if packed else {}
-            for result in results:
+            n_specials, special = 0, None
+            for *result, (n, example) in results:
+                n_specials, special = n_specials + n, special or example
                 if packed:
-                    for is_val, ids, n_prompt in result:
+                    for is_val, ids, n_prompt in result[0]:
                         packers[is_val].add(ids, n_prompt)
-                    bar.update(len(result))
+                    bar.update(len(result[0]))
                 else:
                     for is_val, ids in result[0].items():
                         write("val.bin" if is_val else "train.bin", ids)
@@ -890,6 +904,11 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
         print(f"packed into rows of {block_size}: {meta['train_rows']:,} train, {meta['val_rows']:,} val; "
               f"{meta['truncated_samples']:,} samples truncated, {meta['skipped_samples']:,} skipped (longer than "
               f"--block_size), {meta['pad_tokens']:,} padding tokens")
+    n_pieces = n_units + int(is_cut.sum())  # as encoded: a document cut between the splits is two
+    if n_specials > n_pieces / 100:  # a stray "<s>" in a corpus (HTML has them) is not a format
+        print(f"warning: {n_specials:,} of the {n_pieces:,} documents or samples hold strings of the tokenizer's special "
+              f"tokens (the first: {special!r}), encoded as plain text like the rest: a chat format written into the "
+              f"data is learned as text, not as the special tokens a chat template puts there")
     if not val_fraction / 2 <= meta["val_share"] <= 2 * val_fraction:
         print(f"warning: val holds {meta['val_share']:.2%} of the tokens, not near the asked {val_fraction:.2%}: "
               f"the input has too few documents to split finer; give more, or change --val_fraction")

@@ -125,6 +125,27 @@ def test_llama3_specials_and_literal_special_text(tmp_path):
     assert tok.decode(tok.encode(" " * 30_000 + "x")) == " " * 30_000 + "x"  # long runs are split, as Meta's
 
 
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf", "tiktoken"])
+def test_chat_markers_in_the_data_are_named(kind, tmp_path, capsys):
+    # prompt/response samples with a chat format written in: encoded as text (as every text is),
+    # which prepare says, naming one; a corpus with one stray marker in a hundred documents is not a format
+    path = {"sentencepiece": lambda: write_sentencepiece(tmp_path / "sp.model"), "hf": lambda: write_hf(tmp_path / "hf"),
+            "tiktoken": lambda: write_tiktoken(tmp_path / "tokenizer.model")[0]}[kind]()
+    marker = {"sentencepiece": "</s>", "hf": "</s>", "tiktoken": "<|eot_id|>"}[kind]
+    sft = tmp_path / "chat.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"user: hi {i}{marker}", "response": f"hello {i}{marker}"}) + "\n"
+                           for i in range(40)))
+    prepare([sft], tmp_path / "out", tokenizer=path, val_fraction=0.2, num_proc=1, block_size=64)
+    assert (f"warning: 40 of the 40 documents or samples hold strings of the tokenizer's special tokens (the first: "
+            f"{marker!r}), encoded as plain text") in capsys.readouterr().out
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(150):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * 5 + (marker if i == 7 else ""))
+    prepare([corpus], tmp_path / "out2", tokenizer=path, val_fraction=0.2, num_proc=1)
+    assert "special tokens" not in capsys.readouterr().out
+
+
 def test_hf_bos_semantics(tmp_path):
     # add_bos_token false: no BOS, whatever bos_token says
     tok = load_tokenizer(write_hf(tmp_path / "off", {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}))
