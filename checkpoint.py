@@ -826,9 +826,15 @@ def _xnnpack_weights(model):
     return model
 
 
+# the .pte's KV cache by default: float32 keys and values of every position, allocated when the
+# program loads (Llama 3.2 1B's whole 131072-position context would take 8.6 GB on a phone)
+PTE_CONTEXT = 2048
+
+
 def export_executorch(model, path, max_seq_len=None):
     """Writes a converted 8daNw model (N <= 4) as an ExecuTorch program lowered to XNNPACK, with a
-    KV cache of max_seq_len positions (default the model's) inside it. The program's forward
+    KV cache of max_seq_len positions (default the model's context, at most PTE_CONTEXT) inside it;
+    returns that length. The program's forward
     takes tokens (1, T) and their positions input_pos (T,), both int64, T from 1 to max_seq_len,
     writes their keys and values into the cache and returns float32 logits (1, T, V): prefill
     the prompt at positions 0..T-1, then one token at a time. A new sequence simply starts again
@@ -836,7 +842,7 @@ def export_executorch(model, path, max_seq_len=None):
     cannot run. Needs the executorch package, imported only here."""
     import copy
 
-    max_len = max_seq_len or model.args.max_seq_len
+    max_len = max_seq_len or min(model.args.max_seq_len, PTE_CONTEXT)
     if not 2 <= max_len <= model.args.max_seq_len:
         raise ValueError(f"max_seq_len={max_len} must be from 2 to the model's {model.args.max_seq_len}")
     dtypes = {p.dtype for p in model.parameters()}
@@ -861,6 +867,14 @@ def export_executorch(model, path, max_seq_len=None):
     with open(tmp, "wb") as f:
         f.write(edge.to_executorch().buffer)
     os.replace(tmp, path)
+    return max_len
+
+
+def pte_summary(path, args, max_len):
+    """What an export_executorch call wrote, in one line: the file, its context and the cache's memory."""
+    cache = 2 * args.n_layers * max_len * args.n_kv_heads * args.head_dim * 4
+    return (f"{path} ({os.path.getsize(path) / 2 ** 20:,.1f} MiB; a KV cache of {max_len:,} positions, {cache / 2 ** 20:,.1f} MiB "
+            f"when it runs{'' if max_len == args.max_seq_len else f'; the model has {args.max_seq_len:,}: sample.py --export_pte with --pte_max_seq_len for more'})")
 
 
 class ExecuTorchModel:

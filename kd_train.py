@@ -68,7 +68,7 @@ from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeig
 from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch, export_hf, export_meta,
-                        load_checkpoint, load_sharded_checkpoint, lock_dir, remove_earlier_outputs, save_adapter,
+                        load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary, remove_earlier_outputs, save_adapter,
                         save_training_checkpoint, sharded_dir, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
@@ -1229,8 +1229,8 @@ if quant_bits is not None:
                      "range_learning": range_learning, "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
                     os.path.join(out_dir, "quantized.pt"))
         if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
-            export_executorch(qmodel.to("cpu"), os.path.join(out_dir, "model.pte"))
-            print(f"exported: {os.path.join(out_dir, 'model.pte')}")
+            pte = os.path.join(out_dir, "model.pte")
+            print(f"exported: {pte_summary(pte, model_args, export_executorch(qmodel.to('cpu'), pte))}")
 log(summary)
 if master_process:
     gap = f"  (teacher {teacher_val_loss:.4f})"

@@ -46,8 +46,8 @@ from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeig
 from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
-                        load_sharded_checkpoint, lock_dir, remove_earlier_outputs, save_training_checkpoint, sharded_dir,
-                        source_stop_ids, stop_ids, tokenizer_of)
+                        load_sharded_checkpoint, lock_dir, pte_summary, remove_earlier_outputs, save_training_checkpoint,
+                        sharded_dir, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
                    initial_scales, learn_scales, merge_lora, peak_flops, restart_scales, weights_only)
@@ -817,8 +817,8 @@ if quant_bits is not None:
                      "stop_ids": source_stops},
                     os.path.join(out_dir, "quantized.pt"))
         if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
-            export_executorch(qmodel.to("cpu"), os.path.join(out_dir, "model.pte"))
-            print(f"exported: {os.path.join(out_dir, 'model.pte')}")
+            pte = os.path.join(out_dir, "model.pte")
+            print(f"exported: {pte_summary(pte, model_args, export_executorch(qmodel.to('cpu'), pte))}")
 log(summary)
 if master_process:
     rows = []

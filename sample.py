@@ -37,10 +37,13 @@ seed = 1337
 device = "cpu"
 dtype = "float32"  # of the full-precision weights (a converted model computes in the dtype it was converted in)
 export_pte = ""  # a path: write the converted model there as an ExecuTorch program (XNNPACK) instead of sampling
+pte_max_seq_len = 0  # the program's KV cache, in positions; 0: the model's context, at most checkpoint.PTE_CONTEXT
 # -----------------------------------------------------------------------------
 from configurator import configure
 
 _, overridden = configure(globals())
+if "pte_max_seq_len" in overridden and not export_pte:
+    raise SystemExit("error: pte_max_seq_len sizes the cache of the --export_pte program; give --export_pte=PATH, or drop it")
 
 torch.manual_seed(seed)
 # the tokenizer first: a wrong one would print confident garbage after a long load
@@ -99,12 +102,11 @@ if tok.vocab_size > args.vocab_size:
                      f"it belongs to another model")
 
 if export_pte:
-    from checkpoint import export_executorch
+    from checkpoint import export_executorch, pte_summary
     try:
-        export_executorch(model, export_pte)
+        print(f"exported: {pte_summary(export_pte, args, export_executorch(model, export_pte, pte_max_seq_len or None))}")
     except (ValueError, ImportError) as e:
         raise SystemExit(f"error: {e}")
-    print(f"exported: {export_pte} ({os.path.getsize(export_pte) / 1e6:.2f} MB)")
     raise SystemExit(0)
 
 if start.startswith("FILE:"):

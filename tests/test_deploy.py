@@ -19,6 +19,7 @@ from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt
                                   PerGroup, quantize_)
 from torchao.quantization.qat import QATConfig
 
+import checkpoint  # noqa: E402
 from checkpoint import ExecuTorchModel, export_executorch, load_checkpoint
 from conftest import ROOT, corpus, make_data, run, run_early_exits, script_env
 from model import ModelArgs, Transformer
@@ -104,11 +105,13 @@ def test_refusals(trained, tmp_path):
         export_executorch(converted(fp, config_8da(4)), path, max_seq_len=65)
 
 
-def test_qat_train_writes_pte(tmp_path):
+def test_qat_train_writes_pte(tmp_path, monkeypatch):
     data = make_data(tmp_path / "data", vocab_size=128)
     out = tmp_path / "out"
-    run("qat_train.py", preset="toy", n_layer=1, block_size=32, batch_size=4, max_iters=4, eval_iters=1,
-        eval_interval=1000, quantizer="8da4w", export_format="pte", data_dir=data, out_dir=out)
+    r = run("qat_train.py", preset="toy", n_layer=1, block_size=32, batch_size=4, max_iters=4, eval_iters=1,
+            eval_interval=1000, quantizer="8da4w", export_format="pte", data_dir=data, out_dir=out)
+    # toy: 1 layer, 2 kv heads of 32, 256 positions: float32 keys and values of 128 KiB
+    assert f"exported: {out / 'model.pte'} (" in r.stdout and "; a KV cache of 256 positions, 0.1 MiB when it runs)" in r.stdout
     args, state = load_checkpoint(str(out / "quantized.pt"))
     with torch.device("meta"):
         q = Transformer(args)
@@ -122,9 +125,13 @@ def test_qat_train_writes_pte(tmp_path):
     assert abs(F.cross_entropy(out_logits[0, :-1], x[0, 1:]) - F.cross_entropy(ref[0, :-1], x[0, 1:])) < 0.01
     assert et.generate(x[:, :8], 16).shape == (1, 24)
     # exported again from the file, as sample.py --export_pte and bench.py deploy do (loaded with
-    # assign=True, whose integer weights keep requires_grad): the same program
-    export_executorch(q, str(tmp_path / "again.pte"))
-    torch.testing.assert_close(ExecuTorchModel(str(tmp_path / "again.pte"))(x, torch.arange(64)), out_logits)
+    # assign=True, whose integer weights keep requires_grad): the same program, its cache held to
+    # PTE_CONTEXT positions by default (a real model's whole context would not fit a phone)
+    monkeypatch.setattr(checkpoint, "PTE_CONTEXT", 64)
+    assert export_executorch(q, str(tmp_path / "again.pte")) == 64
+    again = ExecuTorchModel(str(tmp_path / "again.pte"))
+    assert again.max_seq_len == 64
+    torch.testing.assert_close(again(x, torch.arange(64)), out_logits)
 
 
 def test_script_refusals(tmp_path):
