@@ -383,6 +383,10 @@ def _load_meta(path, weights=True):
     hidden_dim = params.pop("hidden_dim", None)
     if "max_seq_len" not in params and "max_seq_len" in (provenance := load_provenance(path) or {}):
         params["max_seq_len"] = provenance["max_seq_len"]  # an export of ours; Meta's own leave it to the caller
+    elif "max_seq_len" not in params and params.get("rope_theta") == 500000.0:
+        # Llama 3's context, where the family says it: 8192, and 131072 from 3.1 on (scaled RoPE); an
+        # export would otherwise tell transformers and vLLM the loader's default, 2048
+        params["max_seq_len"] = 131072 if scaled else 8192
     return _args_for(params, sd, where, hidden_dim), sd
 
 

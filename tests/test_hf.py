@@ -227,6 +227,10 @@ def test_meta_scaled_rope(tmp_path):
     (path / "params.json").write_text(json.dumps(params))
     args, sd = load_checkpoint(str(path))
     assert args.rope_scaling == (8.0, 1.0, 4.0, 8192) and not args.tie_embeddings
+    assert args.max_seq_len == 131072  # Llama 3.1's context: params.json leaves it to the caller
+    (path / "params.json").write_text(json.dumps({k: v for k, v in params.items() if k != "use_scaled_rope"}))
+    assert load_checkpoint(str(path), weights=False)[0].max_seq_len == 8192  # Llama 3's
+    (path / "params.json").write_text(json.dumps(params))
     assert max_err(nanotune_logits(args, sd), hf_logits(hf.eval())) <= 1e-4
     params["quantization_args"] = {"group_size": 32}  # Meta's QAT releases: not plain weights
     (path / "params.json").write_text(json.dumps(params))
