@@ -32,7 +32,7 @@ start = "\n"  # the prompt; 'FILE:path' reads it from a file
 num_samples = 2
 max_new_tokens = 200
 temperature = 0.8  # 0 is greedy
-top_k = 200  # None keeps every token
+top_k = 200  # 0 keeps every token
 seed = 1337
 device = "cpu"
 dtype = "float32"  # of the full-precision weights (a converted model computes in the dtype it was converted in)
@@ -42,6 +42,8 @@ pte_max_seq_len = 0  # the program's KV cache, in positions; 0: the model's cont
 from configurator import configure
 
 _, overridden = configure(globals())
+if top_k < 0:
+    raise SystemExit(f"error: top_k={top_k}: give the number of likeliest tokens to sample from, or 0 for all of them")
 if "pte_max_seq_len" in overridden and not export_pte:
     raise SystemExit("error: pte_max_seq_len sizes the cache of the --export_pte program; give --export_pte=PATH, or drop it")
 
@@ -122,7 +124,7 @@ print(f"{init_from}: {'quantized' if quantized else 'full precision'}, {sum(p.nu
 
 def timed_generate(n):
     t0 = time.perf_counter()
-    y = model.generate(x, n, temperature=temperature, top_k=top_k, eos_id=stops)
+    y = model.generate(x, n, temperature=temperature, top_k=top_k or None, eos_id=stops)
     return y, time.perf_counter() - t0
 
 
