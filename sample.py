@@ -42,8 +42,6 @@ pte_max_seq_len = 0  # the program's KV cache, in positions; 0: the model's cont
 from configurator import configure
 
 _, overridden = configure(globals())
-if top_k < 0:
-    raise SystemExit(f"error: top_k={top_k}: give the number of likeliest tokens to sample from, or 0 for all of them")
 if "pte_max_seq_len" in overridden and not export_pte:
     raise SystemExit("error: pte_max_seq_len sizes the cache of the --export_pte program; give --export_pte=PATH, or drop it")
 
