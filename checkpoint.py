@@ -133,9 +133,13 @@ def source_stop_ids(path, ckpt):
     """The ids a model stops generating at, as its source says beyond the tokenizer's EOS: an HF
     directory's generation_config.json (or config.json) eos_token_id, which for an Instruct model
     lists several (Llama 3.1: end of text, of a tool call, of a turn); or what a nanotune
-    checkpoint `ckpt` carried on from its own source. [] when neither says."""
+    checkpoint `ckpt`, or export (its nanotune.json), carried on from its own source (a checkpoint
+    from before they were recorded: its init_from's). [] when none says."""
     if ckpt:
-        return list(ckpt.get("stop_ids", []))
+        source = ckpt.get("config", {}).get("init_from")
+        return list(ckpt["stop_ids"]) if "stop_ids" in ckpt else source_stop_ids(source, None) if source else []
+    if "stop_ids" in (provenance := (load_provenance(path) if os.path.isdir(str(path)) else None) or {}):
+        return list(provenance["stop_ids"])
     for name in ("generation_config.json", "config.json") if os.path.isdir(str(path)) else ():
         if os.path.isfile(file := os.path.join(path, name)):
             with open(file) as f:
@@ -897,15 +901,17 @@ class ExecuTorchModel:
         return self.forward.execute([tokens, input_pos])[0]
 
     def generate(self, tokens, max_new_tokens, eos_id=None):
-        """Greedy continuation of tokens (1, T): the prompt once, then one token per call."""
+        """Greedy continuation of tokens (1, T): the prompt once, then one token per call, to a stop id
+        in eos_id (an id or a list of them)."""
         T = tokens.shape[1]
+        stops = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
         if T + max_new_tokens > self.max_seq_len:
             raise ValueError(f"{T} + {max_new_tokens} tokens do not fit the program's cache of {self.max_seq_len}")
         logits = self(tokens, torch.arange(T))
         for pos in range(T, T + max_new_tokens):
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             tokens = torch.cat((tokens, nxt), 1)
-            if (eos_id is not None and nxt.item() == eos_id) or pos == T + max_new_tokens - 1:
+            if nxt.item() in stops or pos == T + max_new_tokens - 1:
                 break
             logits = self(nxt, torch.tensor([pos]))
         return tokens

@@ -311,7 +311,9 @@ if init_from != "resume":
         model_args.__post_init__()  # validates the LoRA targets
     except ValueError as e:
         fail(str(e))
-teacher_args, teacher_state, _ = (None, None, None) if from_store else load_or_fail("teacher_init", teacher_init)
+teacher_args, teacher_state, teacher_stops = (None, None, []) if from_store else load_or_fail("teacher_init", teacher_init)
+if init_from == "scratch":  # a student from scratch stops where its teacher does
+    source_stops = teacher_stops
 
 # vocabularies: rows past the tokenizer's size are padding and are sliced off; more rows than
 # padding would explain means the two models were trained with different tokenizers
@@ -1190,7 +1192,8 @@ if master_process:
                      "tokenizer": data_tokenizer, "stop_ids": source_stops},
                     os.path.join(out_dir, "model.pt"))
     tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
-    provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config}
+    provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config,
+                  "stop_ids": source_stops}
     if export_format == "meta":
         export_meta(merged, merged_args, os.path.join(out_dir, "export_meta"), tokenizer_files, provenance)
     elif export_format == "hf":
@@ -1226,8 +1229,8 @@ if quant_bits is not None:
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
-                     "range_learning": range_learning, "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer},
-                    os.path.join(out_dir, "quantized.pt"))
+                     "range_learning": range_learning, "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer,
+                      "stop_ids": source_stops}, os.path.join(out_dir, "quantized.pt"))
         if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
             pte = os.path.join(out_dir, "model.pte")
             print(f"exported: {pte_summary(pte, model_args, export_executorch(qmodel.to('cpu'), pte))}")

@@ -790,7 +790,8 @@ if export_format in ("hf", "meta"):  # the trained full-precision weights, for t
     if master_process:
         export_dir = os.path.join(out_dir, f"export_{export_format}")
         tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
-        provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config}
+        provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config,
+                      "stop_ids": source_stops}
         if export_format == "hf":
             export_hf(fp_state, model_args, export_dir, tokenizer_files, data_meta.get("bos_id"), stop_ids(data_meta, source_stops),
                       provenance)

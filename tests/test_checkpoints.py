@@ -357,6 +357,10 @@ def test_stop_ids(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))  # it wins, as in transformers
     assert source_stop_ids(str(tmp_path), None) == [9, 7] and source_stop_ids("ckpt.pt", {"stop_ids": [3]}) == [3]
     assert source_stop_ids(str(tmp_path / "nowhere"), None) == [] and source_stop_ids(str(tmp_path), {"iter_num": 1}) == []
+    # a checkpoint from before stop ids were recorded: its source's; an export of ours: its nanotune.json's
+    assert source_stop_ids("ckpt.pt", {"config": {"init_from": str(tmp_path)}}) == [9, 7]
+    (tmp_path / "nanotune.json").write_text(json.dumps({"stop_ids": [4]}))
+    assert source_stop_ids(str(tmp_path), None) == [4]
     plain = {"eos_id": 2, "vocab_size": 300, "tokenizer": {"kind": "sentencepiece"}}
     assert stop_ids(plain, []) == 2 and stop_ids(plain, [9, 2]) == [2, 9] and stop_ids({}, []) is None
     # Llama 3's tiktoken tokenizer: where Meta's code stops, end of text, of a tool call (eom) and of a turn (eot)

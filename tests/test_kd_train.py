@@ -285,13 +285,17 @@ def test_non_finite_teacher(setup, tmp_path):
     # with weight on the KD term the run stops at its first step and writes no checkpoint
     state = torch.load(setup["teacher"], weights_only=True)
     state["model"]["output.weight"][5, 0] = float("inf")
+    state["stop_ids"] = [7, 2]  # (and the stop ids of its source, which a student from scratch takes on)
     torch.save(state, tmp_path / "inf_teacher.pt")
     common = dict(TRAIN, data_dir=setup["data"], init_from=setup["student"], teacher_init=str(tmp_path / "inf_teacher.pt"))
-    (code0, err0), (code, err) = run_in_one_process([
+    (code0, err0), (code, err), (code_s, err_s) = run_in_one_process([
         ("kd_train.py", dict(common, out_dir=str(tmp_path / "zero"), kd_ratio=0.0)),
         ("kd_train.py", dict(common, out_dir=str(tmp_path / "half"), kd_ratio=0.5, ckpt_interval=1, log_interval=5)),
+        ("kd_train.py", dict(common, out_dir=str(tmp_path / "scratch"), kd_ratio=0.0, init_from="scratch", preset="toy", max_iters=1)),
     ], tmp_path, check=False)
-    assert code0 in (0, None), err0[-2000:]
+    assert code0 in (0, None) and code_s in (0, None), (err0 + err_s)[-2000:]
+    assert torch.load(tmp_path / "scratch" / "ckpt.pt", weights_only=True)["stop_ids"] == [7, 2]
+    assert torch.load(tmp_path / "zero" / "ckpt.pt", weights_only=True)["stop_ids"] == []
     assert all(math.isfinite(r["loss"]) and math.isnan(r["kd_loss"]) for r in train_lines(read_log(tmp_path / "zero")))
     assert code == 2 and (f"step 1: the KD term is not finite; stopped, and no checkpoint was written; check the teacher "
                           f"({tmp_path / 'inf_teacher.pt'})") in err, err[-2000:]
