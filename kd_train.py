@@ -1230,7 +1230,7 @@ if quant_bits is not None:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
                      "range_learning": range_learning, "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer,
-                      "stop_ids": source_stops}, os.path.join(out_dir, "quantized.pt"))
+                     "stop_ids": source_stops}, os.path.join(out_dir, "quantized.pt"))
         if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
             pte = os.path.join(out_dir, "model.pte")
             print(f"exported: {pte_summary(pte, model_args, export_executorch(qmodel.to('cpu'), pte))}")
