@@ -311,9 +311,15 @@ if init_from != "resume":
         model_args.__post_init__()  # validates the LoRA targets
     except ValueError as e:
         fail(str(e))
-teacher_args, teacher_state, teacher_stops = (None, None, []) if from_store else load_or_fail("teacher_init", teacher_init)
+if from_store:  # the stop ids the teacher had when its store was written (a store from before they were recorded: none)
+    teacher_args, teacher_state, teacher_stops = None, None, store_meta.get("stop_ids")
+else:
+    teacher_args, teacher_state, teacher_stops = load_or_fail("teacher_init", teacher_init)
 if init_from == "scratch":  # a student from scratch stops where its teacher does
-    source_stops = teacher_stops
+    if teacher_stops is None and master_process:
+        print(f"warning: the store in {teacher_topk_dir} predates recorded stop ids, so this student stops at the data's "
+              f"EOS alone, not at its teacher's other stop ids (an Instruct model's end of turn); rewrite the store to record them")
+    source_stops = teacher_stops or []
 
 # vocabularies: rows past the tokenizer's size are padding and are sliced off; more rows than
 # padding would explain means the two models were trained with different tokenizers
@@ -925,7 +931,7 @@ def write_topk():
     done_path = os.path.join(teacher_topk_dir, "done.bin")
     if master_process and store_meta is None:  # a new store: its files at full size, then its meta
         store_meta = {**store_spec, "n_windows": n_windows["train"], "windows_done": 0, "teacher_val_loss": None,
-                      "complete": False}
+                      "stop_ids": teacher_stops, "complete": False}
         for m in store_memmaps("w+"):
             m.flush()
         np.zeros(n_groups, np.uint8).tofile(done_path)
@@ -933,6 +939,7 @@ def write_topk():
     dist.barrier()
     with open(store_meta_path) as f:
         store_meta = json.load(f)
+    store_meta["stop_ids"] = teacher_stops  # a write resumed from a store that predates them records them too
     todo = np.flatnonzero(np.fromfile(done_path, dtype=np.uint8) == 0)
     dist.barrier()  # every process has read done.bin before any writes to it, so all deal the same groups
     n_rounds = math.ceil(len(todo) / world_size)

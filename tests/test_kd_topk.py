@@ -170,6 +170,28 @@ def test_killed_write_resumes_to_the_straight_write(runs, tmp_path):
     assert (dst / "done.bin").read_bytes() == (src / "done.bin").read_bytes()
 
 
+def test_student_from_scratch_takes_the_stores_stop_ids(runs, tmp_path):
+    """The store records its teacher's stop ids (an Instruct model's end of turn, say); a student
+    trained from scratch on it stops where its teacher does, as with a teacher online."""
+    teacher = torch.load(runs["teacher"], weights_only=True)
+    teacher["stop_ids"] = [7, 2]
+    torch.save(teacher, tmp_path / "teacher.pt")
+    store, common = tmp_path / "k2", dict(runs["common"], teacher_init=str(tmp_path / "teacher.pt"))
+    scratch = dict(common, init_from="scratch", preset="toy", max_iters=1, teacher_topk_dir=str(store))
+    run_in_one_process([("kd_train.py", dict(writing(common), out_dir=str(tmp_path / "w"), topk_write=True, teacher_topk=2,
+                                             teacher_topk_dir=str(store))),
+                        ("kd_train.py", dict(scratch, out_dir=str(tmp_path / "s")))], tmp_path)
+    assert read_store(store)[0]["stop_ids"] == [7, 2]
+    assert torch.load(tmp_path / "s" / "ckpt.pt", weights_only=True)["stop_ids"] == [7, 2]
+    # a store from before they were recorded: the student stops at the data's EOS alone, and says so
+    meta = json.loads((store / "meta.json").read_text())
+    del meta["stop_ids"]
+    (store / "meta.json").write_text(json.dumps(meta))
+    r = run("kd_train.py", env=ENV, **dict(scratch, out_dir=str(tmp_path / "old")))
+    assert f"warning: the store in {store} predates recorded stop ids" in r.stdout
+    assert torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True)["stop_ids"] == []
+
+
 def test_write_into_a_store_in_use_is_refused(runs, tmp_path):
     # two writers of one store would each skip the groups the other marked done
     store = tmp_path / "s"
