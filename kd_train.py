@@ -318,7 +318,7 @@ else:
 if init_from == "scratch":  # a student from scratch stops where its teacher does
     if teacher_stops is None and master_process:
         print(f"warning: the store in {teacher_topk_dir} predates recorded stop ids, so this student stops at the data's "
-              f"EOS alone, not at its teacher's other stop ids (an Instruct model's end of turn); rewrite the store to record them")
+              f"EOS alone, not at its teacher's other stop ids (an Instruct model's end of turn); rerun the store's topk_write command to record them")
     source_stops = teacher_stops or []
 
 # vocabularies: rows past the tokenizer's size are padding and are sliced off; more rows than
@@ -335,6 +335,17 @@ if topk_write and teacher_topk > n_vocab:
     fail(f"teacher_topk={teacher_topk} exceeds the data's {n_vocab} token ids; k = {n_vocab} stores the whole distribution")
 
 store_meta_path = os.path.join(teacher_topk_dir, "meta.json")
+
+
+def write_store_meta():
+    tmp = store_meta_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(store_meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, store_meta_path)
+
+
 if topk_write and os.path.exists(store_meta_path):  # a write to resume, or done
     with open(store_meta_path) as f:
         store_meta = json.load(f)
@@ -354,6 +365,9 @@ if topk_write:
              f"finish it, or give another teacher_topk_dir")
     if store_meta is not None and store_meta["complete"]:
         if master_process:
+            if "stop_ids" not in store_meta:  # a store from before they were recorded: recorded now
+                store_meta["stop_ids"] = teacher_stops
+                write_store_meta()
             print(f"the store in {teacher_topk_dir} is complete; nothing to write")
         sys.exit(0)
 try:
@@ -908,15 +922,6 @@ def save_checkpoint():
 # batch_size windows dealt out to the processes. A group's rows reach the disk before its byte in
 # done.bin does, so a killed write resumes where it stopped, redoing at most the groups in flight;
 # a group is always one forward of the same windows, so a resumed write equals a straight one.
-
-
-def write_store_meta():
-    tmp = store_meta_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(store_meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, store_meta_path)
 
 
 def group_windows(groups):

@@ -183,13 +183,17 @@ def test_student_from_scratch_takes_the_stores_stop_ids(runs, tmp_path):
                         ("kd_train.py", dict(scratch, out_dir=str(tmp_path / "s")))], tmp_path)
     assert read_store(store)[0]["stop_ids"] == [7, 2]
     assert torch.load(tmp_path / "s" / "ckpt.pt", weights_only=True)["stop_ids"] == [7, 2]
-    # a store from before they were recorded: the student stops at the data's EOS alone, and says so
+    # a store from before they were recorded: the student stops at the data's EOS alone, and says how to fix it
     meta = json.loads((store / "meta.json").read_text())
     del meta["stop_ids"]
     (store / "meta.json").write_text(json.dumps(meta))
     r = run("kd_train.py", env=ENV, **dict(scratch, out_dir=str(tmp_path / "old")))
     assert f"warning: the store in {store} predates recorded stop ids" in r.stdout
     assert torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True)["stop_ids"] == []
+    # rerunning its write, which finds it complete, records them
+    r = run("kd_train.py", env=ENV, **dict(writing(common), out_dir=str(tmp_path / "w2"), topk_write=True, teacher_topk=2,
+                                           teacher_topk_dir=str(store)))
+    assert "is complete; nothing to write" in r.stdout and read_store(store)[0] == dict(meta, stop_ids=[7, 2])
 
 
 def test_write_into_a_store_in_use_is_refused(runs, tmp_path):
