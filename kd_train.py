@@ -367,7 +367,10 @@ if topk_write:
         if master_process:
             if "stop_ids" not in store_meta:  # a store from before they were recorded: recorded now
                 store_meta["stop_ids"] = teacher_stops
-                write_store_meta()
+                try:
+                    write_store_meta()
+                except OSError as e:  # a read-only store, say: it still trains, its students without them
+                    print(f"warning: could not record the teacher's stop ids in {store_meta_path}: {e}")
             print(f"the store in {teacher_topk_dir} is complete; nothing to write")
         sys.exit(0)
 try:
