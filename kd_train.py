@@ -318,7 +318,8 @@ else:
 if init_from == "scratch":  # a student from scratch stops where its teacher does
     if teacher_stops is None and master_process:
         print(f"warning: the store in {teacher_topk_dir} predates recorded stop ids, so this student stops at the data's "
-              f"EOS alone, not at its teacher's other stop ids (an Instruct model's end of turn); rerun the store's topk_write command to record them")
+              f"EOS alone, not at its teacher's other stop ids (an Instruct model's end of turn); rerun the store's "
+              f"topk_write command to record them")
     source_stops = teacher_stops or []
 
 # vocabularies: rows past the tokenizer's size are padding and are sliced off; more rows than
@@ -939,7 +940,7 @@ def write_topk():
     done_path = os.path.join(teacher_topk_dir, "done.bin")
     if master_process and store_meta is None:  # a new store: its files at full size, then its meta
         store_meta = {**store_spec, "n_windows": n_windows["train"], "windows_done": 0, "teacher_val_loss": None,
-                      "stop_ids": teacher_stops, "complete": False}
+                      "complete": False}
         for m in store_memmaps("w+"):
             m.flush()
         np.zeros(n_groups, np.uint8).tofile(done_path)
@@ -947,7 +948,7 @@ def write_topk():
     dist.barrier()
     with open(store_meta_path) as f:
         store_meta = json.load(f)
-    store_meta["stop_ids"] = teacher_stops  # a write resumed from a store that predates them records them too
+    store_meta["stop_ids"] = teacher_stops  # written with the progress (a resumed old store's too)
     todo = np.flatnonzero(np.fromfile(done_path, dtype=np.uint8) == 0)
     dist.barrier()  # every process has read done.bin before any writes to it, so all deal the same groups
     n_rounds = math.ceil(len(todo) / world_size)
