@@ -361,12 +361,13 @@ def _load_meta(path, weights=True):
         raise ValueError(f"{where} is in Mistral's layout but has no rope_theta; add the model's rope_theta")
     shards = [torch.load(f, mmap=True, weights_only=True, map_location="cpu")
               for f in sorted(glob(os.path.join(path, "consolidated.*.pth")))]
-    # Meta's tied models (Llama 3.2 1B/3B) store output.weight as a copy of the embedding; they are
-    # loaded tied, so training keeps them tied. Models that big are never split into shards.
+    # Meta's tied models (Llama 3.2 1B/3B) store output.weight as a copy of the embedding, and some
+    # converters leave it out; either way they are loaded tied, so training keeps them tied. Models
+    # that small are never split into shards.
     first = shards[0]
-    tied = len(shards) == 1 and _same(first.get("output.weight"), first.get("tok_embeddings.weight"))
+    tied = len(shards) == 1 and ("output.weight" not in first or _same(first["output.weight"], first.get("tok_embeddings.weight")))
     if tied:
-        del first["output.weight"]
+        first.pop("output.weight", None)
     if scaled:
         # Meta's params.json names no factor, and its code hard-codes 8, right for Llama 3.1, 3.2 11B/90B
         # and 3.3; Llama 3.2 1B and 3B, the tied ones, were trained with 32 (their config.json, and
@@ -391,6 +392,12 @@ def _load_meta(path, weights=True):
         # Llama 3's context, where the family says it: 8192, and 131072 from 3.1 on (scaled RoPE); an
         # export would otherwise tell transformers and vLLM the loader's default, 2048
         params["max_seq_len"] = 131072 if scaled else 8192
+    elif "max_seq_len" not in params:
+        # Llama 1 (2048), Llama 2 (4096), Code Llama (16384) and Mistral's files do not say it, nor
+        # can they be told apart; a guess would train short or export a context the model lacks
+        raise ValueError(f"{where} does not say the model's context length, and Meta's Llama 1/2 files cannot be "
+                         f"told apart: write {{\"max_seq_len\": N}} to {os.path.join(path, 'nanotune.json')} (Llama 2: "
+                         f"4096, Llama 1: 2048, Code Llama: 16384; Meta's own code refuses the key in params.json)")
     return _args_for(params, sd, where, hidden_dim), sd
 
 

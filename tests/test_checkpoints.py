@@ -118,8 +118,12 @@ def test_meta_two_shards(tmp_path):
         torch.save(shard, d / f"consolidated.{i:02d}.pth")
     params = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "norm_eps")}
     (d / "params.json").write_text(json.dumps({**params, "vocab_size": -1}))
+    # Llama 1 and 2 files do not say their context (2048, 4096), and cannot be told apart: refused until told
+    with pytest.raises(ValueError, match=r"does not say the model's context length.*max_seq_len.*nanotune\.json"):
+        load_checkpoint(str(d))
+    (d / "nanotune.json").write_text(json.dumps({"max_seq_len": 4096}))
     args2, sd = load_checkpoint(str(d))
-    assert args2.vocab_size == 64 and "rope.freqs" not in sd
+    assert args2.vocab_size == 64 and "rope.freqs" not in sd and args2.max_seq_len == 4096
     assert torch.equal(logits_of(args2, sd), model(TOKENS))
 
 
@@ -277,7 +281,8 @@ def test_meta_tied_layout(tmp_path):
     d = tmp_path / "meta"
     d.mkdir()
     torch.save(sd, d / "consolidated.00.pth")
-    params = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of")}
+    params = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+                                            "max_seq_len")}
     (d / "params.json").write_text(json.dumps(params))
     args2, sd2 = load_checkpoint(str(d))
     assert args2.tie_embeddings and sd2["output.weight"] is sd2["tok_embeddings.weight"]
@@ -297,7 +302,7 @@ def test_meta_params_refusals_and_mistral_layout(tmp_path):
     torch.save(model.state_dict(), d / "consolidated.00.pth")
     # Mistral's params.json: head_dim, hidden_dim and sliding_window, no multiple_of
     params = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=args.hidden_dim, norm_eps=1e-5,
-                  sliding_window=16, vocab_size=64, rope_theta=10000.0)
+                  sliding_window=16, vocab_size=64, rope_theta=10000.0, max_seq_len=args.max_seq_len)
     (d / "params.json").write_text(json.dumps(params))
     args2, sd = load_checkpoint(str(d))
     assert args2.sliding_window == 16 and args2.hidden_dim == args.hidden_dim

@@ -250,6 +250,12 @@ def test_meta_llama32_scaled_rope_is_factor_32(tmp_path):
                                                                 or k == "rope_theta"}))
     args2, sd2 = load_checkpoint(str(tmp_path / "meta"))
     assert args2.rope_scaling == (32.0, 1.0, 4.0, 8192) and torch.equal(nanotune_logits(args2, sd2), nanotune_logits(args, sd))
+    # converters that leave a tied model's output.weight out: tied all the same, and factor 32
+    shard = torch.load(tmp_path / "meta" / "consolidated.00.pth")
+    del shard["output.weight"]
+    torch.save(shard, tmp_path / "meta" / "consolidated.00.pth")
+    args3, sd3 = load_checkpoint(str(tmp_path / "meta"))
+    assert args3 == args2 and torch.equal(nanotune_logits(args3, sd3), nanotune_logits(args, sd))
     # a tied model with Meta's factor 8 says so in its export, and reads back with 8
     args.rope_scaling_factor = 8.0
     export_meta(sd, args, tmp_path / "meta8")
