@@ -102,7 +102,9 @@ CHUNK_CHARS = 1 << 20
 # mostly BOS and EOS
 MIN_TAIL_CHARS = 1000
 # every name a tokenizer can have in out_dir: an older run's are removed, so one never shadows another
-TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+# a chat template lives in tokenizer_config.json, or since transformers 4.4x in a file of its own
+CHAT_TEMPLATE_NAMES = ("chat_template.jinja", "chat_template.json")
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model") + CHAT_TEMPLATE_NAMES
 BIN_NAMES = tuple(f"{s}{k}.bin" for s in ("train", "val") for k in ("", "_mask", "_pos"))
 # the keys that identify a tokenizer; two fingerprints agree when these do
 FINGERPRINT_KEYS = ("kind", "sha256", "bos_id", "eos_id", "vocab_size")
@@ -182,6 +184,12 @@ def load_data_meta(data_dir, block_size):
             raise DataPrepError(f"{os.path.join(data_dir, name)} is missing; run data_prep.py --out_dir {data_dir} first")
     with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
+    for name, d in (meta.get("data") or {}).items():  # files that are not the ones meta.json describes
+        size = os.path.getsize(p) if os.path.exists(p := os.path.join(data_dir, name)) else None
+        if size != d["bytes"]:
+            raise DataPrepError(f"{p} is {'missing' if size is None else f'{size:,} bytes'} where {data_dir}/meta.json "
+                                f"says {d['bytes']:,} bytes: the data was changed or copied in part; run data_prep.py "
+                                f"--out_dir {data_dir} again")
     if meta.get("packed") and block_size != meta["block_size"]:  # SFT samples packed whole into rows
         raise DataPrepError(f"{data_dir} holds samples packed into rows of {meta['block_size']} tokens; "
                             f"set block_size={meta['block_size']}")
@@ -256,7 +264,8 @@ def load_tokenizer(path):
 
 def _tokenizer_config(path):
     """(files, settings) of the tokenizer_config.json and special_tokens_map.json beside the
-    tokenizer file at path, the first winning where both set something, as in transformers."""
+    tokenizer file at path, the first winning where both set something, as in transformers; the
+    files also name a chat template file there, which travels with the tokenizer into exports."""
     folder = os.path.dirname(path)
     extras = [p for p in (os.path.join(folder, n) for n in ("tokenizer_config.json", "special_tokens_map.json"))
               if os.path.isfile(p)]
@@ -264,7 +273,7 @@ def _tokenizer_config(path):
     for p in reversed(extras):
         with open(p, encoding="utf-8") as f:
             config.update({k: v for k, v in json.load(f).items() if v is not None})
-    return extras, config
+    return extras + [p for p in (os.path.join(folder, n) for n in CHAT_TEMPLATE_NAMES) if os.path.isfile(p)], config
 
 
 def _hf_tokenizer(path, data):
@@ -288,12 +297,15 @@ def _hf_tokenizer(path, data):
         return i
 
     bos_id, eos_id = special_id("bos_token"), special_id("eos_token")
+    ids, text_ids = tok.encode("a").ids, tok.encode("a", add_special_tokens=False).ids
+    if bos_id is None and len(ids) > len(text_ids) and ids[1:len(text_ids) + 1] == text_ids:
+        bos_id = ids[0]  # the post-processor puts a BOS before every text, though no config names it: as transformers does
     if eos_id is None:
         raise DataPrepError(f"tokenizer {path} has no eos_token: put the tokenizer_config.json (or "
                             f"special_tokens_map.json) that names it beside it")
     add_bos = config.get("add_bos_token")
     if add_bos is None:  # not set: the tokenizer's own post-processor decides, as in transformers
-        add_bos = bos_id is not None and tok.encode("a").ids[:1] == [bos_id]
+        add_bos = bos_id is not None and ids[:1] == [bos_id]
     return Tokenizer("hf", [path] + extras, max(tok.get_vocab(with_added_tokens=True).values()) + 1,
                      bos_id if add_bos else None, eos_id,
                      lambda text: tok.encode(text, add_special_tokens=False).ids,
@@ -415,21 +427,29 @@ def stdlib_files():
 
 def list_files(inputs):
     """(path, key) for every file to read; the key names a file independently of where the input lives."""
-    files = []
+    files, seen = [], {}
     for inp in map(os.fspath, inputs):
         if not os.path.exists(inp):
             raise DataPrepError(f"--input {inp} does not exist")
         if not os.path.isdir(inp):
-            files.append((inp, os.path.basename(inp)))
-            continue
-        for dirpath, dirnames, filenames in os.walk(inp):
-            # hidden folders (.git, .venv) and caches are not text anyone meant to train on
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
-            for name in sorted(filenames):
-                ext = os.path.splitext(name)[1].lower()
-                if not name.startswith(".") and ext in TEXT_EXTENSIONS + RECORD_EXTENSIONS:
-                    path = os.path.join(dirpath, name)
-                    files.append((path, os.path.relpath(path, inp).replace(os.sep, "/")))
+            found = [(inp, os.path.basename(inp))]
+        else:
+            found = []
+            for dirpath, dirnames, filenames in os.walk(inp):
+                # hidden folders (.git, .venv) and caches are not text anyone meant to train on
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+                for name in sorted(filenames):
+                    ext = os.path.splitext(name)[1].lower()
+                    if not name.startswith(".") and ext in TEXT_EXTENSIONS + RECORD_EXTENSIONS:
+                        path = os.path.join(dirpath, name)
+                        found.append((path, os.path.relpath(path, inp).replace(os.sep, "/")))
+        for path, key in found:
+            # a file read twice is split twice, by two keys: one copy could land in val, the other in train
+            if (real := os.path.realpath(path)) in seen:
+                raise DataPrepError(f"--input reaches {real} twice (as {seen[real]} and {path}); its copies would be "
+                                    f"split apart, val leaking into train: give each file once")
+            seen[real] = path
+            files.append((path, key))
     return files
 
 
@@ -439,7 +459,8 @@ def iter_documents(files, skipped=None):
     prompt is None for plain text. A text file is one document, read in pieces of about DOC_CHARS
     characters cut at line boundaries before a visible character; first and last say whether a
     piece starts or ends its document.
-    Text files that are not UTF-8 (or hold NUL bytes: binaries) are skipped and appended to skipped.
+    Binaries (NUL bytes near the start) are skipped and appended to skipped; a text file that is
+    not UTF-8 raises DataPrepError. A UTF-8 byte order mark starting a file is not text: left out.
     """
     for path, key in files:
         if path.lower().endswith(RECORD_EXTENSIONS):
@@ -452,15 +473,19 @@ def iter_documents(files, skipped=None):
 def _text_documents(path, key, skipped):
     # newline="" keeps the text byte for byte, so decoding the tokens gives back the file
     try:
-        f = open(path, encoding="utf-8", newline="")
-        text = f.read(DOC_CHARS)
-    except (UnicodeDecodeError, OSError):
-        skipped.append(path)
-        return
-    with f:
-        if "\x00" in text:
+        with open(path, "rb") as f:
+            binary = b"\x00" in f.read(1 << 16)
+        if binary:
             skipped.append(path)
             return
+        f = open(path, encoding="utf-8-sig", newline="")
+        text = f.read(DOC_CHARS)
+    except OSError as e:
+        raise DataPrepError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        f.close()
+        raise DataPrepError(f"{path} is not UTF-8 text; convert it (iconv -t UTF-8) or remove it from --input") from None
+    with f:
         i = 0
         while text:
             try:
@@ -747,7 +772,7 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
                         sample.write(part if part.endswith("\n") else part + "\n")
                         sample_chars += len(part)
         if not sizes:
-            note = f" ({len(skipped)} files skipped as not UTF-8 text)" if skipped else ""
+            note = f" ({len(skipped)} files skipped as binaries)" if skipped else ""
             raise DataPrepError(f"no readable text in {' '.join(inputs or ['the stdlib'])}{note}")
         if packed and long_text is not None:
             raise DataPrepError(f"{long_text} is over {DOC_CHARS:,} characters: too long for one sample of packed "
@@ -895,11 +920,12 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
-    note = f", {len(skipped)} files skipped (not UTF-8 text)" if skipped else ""
     cut = f", {meta['cut_docs']} cut between them" if meta["cut_docs"] else ""
     print(f"wrote {out_dir}: train {meta['train_tokens']:,} tokens in {meta['train_docs']:,} docs, "
           f"val {meta['val_tokens']:,} tokens in {meta['val_docs']:,} docs{cut}; val share {meta['val_share']:.2%} "
-          f"(asked {val_fraction:.2%}), {meta['dtype']}, vocab {tok.vocab_size:,}{note}, {time.time() - t0:.1f}s")
+          f"(asked {val_fraction:.2%}), {meta['dtype']}, vocab {tok.vocab_size:,}, {time.time() - t0:.1f}s")
+    if skipped:
+        print(f"warning: {len(skipped)} binary files (NUL bytes) skipped: {', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''}")
     if packed:
         print(f"packed into rows of {block_size}: {meta['train_rows']:,} train, {meta['val_rows']:,} val; "
               f"{meta['truncated_samples']:,} samples truncated, {meta['skipped_samples']:,} skipped (longer than "

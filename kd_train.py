@@ -276,6 +276,10 @@ def load_or_fail(name, path):
     return args, state, source_stop_ids(path, ckpt)
 
 
+# the teacher's bytes (a store's: its teacher's), which a resume compares: a teacher retrained or
+# replaced at the same path would change the objective mid-run without a word
+teacher_digest = (store_meta or {}).get("teacher_digest") if from_store else checkpoint_digest(teacher_init) if teacher_init else None
+
 # the student's shape: from the checkpoint, or from the preset and overrides; then our LoRA
 # source_stops: the source model's stop ids beyond the data's EOS (an Instruct model lists several),
 # carried in the checkpoints and written to the export's generation config
@@ -290,10 +294,14 @@ if init_from == "resume":
         check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init",
                                     "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
                                     "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding",
-                                    "quant_skip", "range_learning", "fake_quant_after_n_steps", "teacher_topk_dir"), data_meta,
+                                    "quant_skip", "range_learning", "fake_quant_after_n_steps", "teacher_topk_dir",
+                                    "kd_ratio", "kd_divergence", "kd_temperature", "jsd_beta"), data_meta,
                      resume_path, "kd_train.py")
     except ValueError as e:
         fail(str(e))
+    if ckpt.get("teacher_digest") not in (None, teacher_digest):  # checkpoints from before it was recorded: None
+        fail(f"the teacher {teacher_init!r} is not the one {resume_path} was trained with (its bytes differ"
+             f"{', or its store was rewritten' if from_store else ''}); resume with that teacher or start a new out_dir")
 elif init_from == "scratch":
     shape = dict(PRESETS[preset], vocab_size=data_meta["vocab_size"])
     for key, value in (("n_layers", n_layer), ("n_heads", n_head), ("n_kv_heads", n_kv_head), ("dim", n_embd)):
@@ -358,7 +366,7 @@ if topk_write:
         "batch_size": batch_size, "teacher_init": teacher_init, "teacher_args": vars(teacher_args),
         "dtype": dtype,  # a write resumed in another precision would hold rows of two
         # the teacher's bytes, not only its path: a teacher retrained in place must not extend its old store
-        "teacher_digest": checkpoint_digest(teacher_init),
+        "teacher_digest": teacher_digest,
         "data": data_meta.get("data"), "tokenizer": data_tokenizer}))
     # (a store from before the dtype was recorded is taken to be in this one)
     if store_meta is not None and (changed := [k for k in store_spec if store_meta.get(k, dtype if k == "dtype" else None) != store_spec[k]]):
@@ -434,14 +442,24 @@ data_dtype = np.dtype(data_meta["dtype"])
 has_mask, has_pos = bool(data_meta.get("has_mask")), bool(data_meta.get("has_pos"))
 
 
+data_bytes = {name: d["bytes"] for name, d in (data_meta.get("data") or {}).items()}  # checked at start-up
+
+
 def memmap(split, kind=""):
     # a fresh memmap per batch: a long-lived one grows the process's memory (nanoGPT's lesson)
     dtype = {"": data_dtype, "mask": np.uint8, "pos": np.dtype(data_meta.get("pos_dtype") or "uint16")}[kind]
-    return np.memmap(os.path.join(data_dir, f"{split}_{kind}.bin" if kind else f"{split}.bin"), dtype=dtype, mode="r")
+    name = f"{split}_{kind}.bin" if kind else f"{split}.bin"
+    m = np.memmap(os.path.join(data_dir, name), dtype=dtype, mode="r")
+    if m.nbytes != data_bytes.get(name, m.nbytes):  # data_prep.py wrote other data into data_dir under this run
+        fail(f"{os.path.join(data_dir, name)} changed during the run ({m.nbytes:,} bytes, {data_bytes[name]:,} at its start)")
+    return m
 
 
 n_targets = {s: len(memmap(s)) - 1 for s in ("train", "val")}  # every token but the first is a target
 n_windows = {s: n // block_size for s, n in n_targets.items()}  # whole windows, for training and estimates
+if from_store and store_meta["n_windows"] != n_windows["train"]:  # data without file fingerprints: not caught before
+    fail(f"the store in {teacher_topk_dir} holds {store_meta['n_windows']} windows, the train split of {data_dir} "
+         f"{n_windows['train']}: it was written from other data; write a store for this data with topk_write=True")
 global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step
 steps_per_epoch = n_windows["train"] // global_batch
 if steps_per_epoch == 0:
@@ -917,7 +935,8 @@ def save_checkpoint():
     small = {"script": "kd_train.py", "model_args": vars(model_args).copy(), "iter_num": iter_num,
              "epoch": iter_num // steps_per_epoch, "config": config, "quantizer": quantizer, "group_size": group_size,
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1), "teacher_init": teacher_init,
-             "teacher_val_loss": teacher_val_loss, "tokenizer": data_tokenizer, "data": data_meta.get("data"), "stop_ids": source_stops, "rng": rngs}
+             "teacher_val_loss": teacher_val_loss, "teacher_digest": teacher_digest, "tokenizer": data_tokenizer,
+             "data": data_meta.get("data"), "stop_ids": source_stops, "rng": rngs}
     save_training_checkpoint(model, [optimizer], small, out_dir, sharded_checkpoint)
 
 

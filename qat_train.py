@@ -289,10 +289,17 @@ data_dtype = np.dtype(data_meta["dtype"])
 has_mask, has_pos = bool(data_meta.get("has_mask")), bool(data_meta.get("has_pos"))
 
 
+data_bytes = {name: d["bytes"] for name, d in (data_meta.get("data") or {}).items()}  # checked at start-up
+
+
 def memmap(split, kind=""):
     # a fresh memmap per batch: a long-lived one grows the process's memory (nanoGPT's lesson)
     dtype = {"": data_dtype, "mask": np.uint8, "pos": np.dtype(data_meta.get("pos_dtype") or "uint16")}[kind]
-    return np.memmap(os.path.join(data_dir, f"{split}_{kind}.bin" if kind else f"{split}.bin"), dtype=dtype, mode="r")
+    name = f"{split}_{kind}.bin" if kind else f"{split}.bin"
+    m = np.memmap(os.path.join(data_dir, name), dtype=dtype, mode="r")
+    if m.nbytes != data_bytes.get(name, m.nbytes):  # data_prep.py wrote other data into data_dir under this run
+        fail(f"{os.path.join(data_dir, name)} changed during the run ({m.nbytes:,} bytes, {data_bytes[name]:,} at its start)")
+    return m
 
 
 n_targets = {s: len(memmap(s)) - 1 for s in ("train", "val")}  # every token but the first is a target

@@ -96,10 +96,11 @@ def test_dtype_for_vocab():
         dtype_for_vocab(2**32 + 1)
 
 
-def test_counts_match_files(corpus, tmp_path):
+def test_counts_match_files(corpus, tmp_path, capsys):
     root, texts = corpus
     out = tmp_path / "out"
     meta = prepare([root], out, vocab_size=VOCAB, num_proc=1)
+    assert f"warning: 1 binary files (NUL bytes) skipped: {root / 'image.txt'}\n" in capsys.readouterr().out
     assert meta == json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == VOCAB and meta["dtype"] == "uint16"
     assert (meta["bos_id"], meta["eos_id"], meta["has_mask"], meta["packed"]) == (1, 2, False, False)
@@ -114,10 +115,18 @@ def test_counts_match_files(corpus, tmp_path):
     assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.model", "train.bin", "val.bin"]
     assert load_tokenizer(out).fingerprint()["sha256"] == meta["tokenizer"]["sha256"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp folder left
+    # bins unlike their meta.json (changed, or copied in part) are refused by the trainers' loader
+    assert data_prep.load_data_meta(out, 32) == meta
+    with open(out / "val.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(DataPrepError, match=r"val\.bin is [\d,]+ bytes where .*meta\.json says [\d,]+ bytes: the data was changed"):
+        data_prep.load_data_meta(out, 32)
 
 
 def test_documents_have_bos_and_eos_and_stay_whole(tmp_path):
     texts = write_corpus(tmp_path / "corpus", n_files=60)  # many small files: none is cut
+    bom = tmp_path / "corpus" / "doc5.txt"  # saved with a byte order mark, as Windows editors do: not text
+    bom.write_bytes(b"\xef\xbb\xbf" + bom.read_bytes())
     out = tmp_path / "out"
     meta = prepare([tmp_path / "corpus"], out, vocab_size=VOCAB, val_fraction=0.1, num_proc=1)
     assert meta["cut_docs"] == 0
@@ -359,7 +368,9 @@ def test_killed_runs_temp_folder_is_named(corpus, tmp_path, capsys):
     ("missing", r"--input .*nowhere does not exist"),
     ("empty_folder", r"no text files in"),
     ("empty_file", r"no readable text in"),
-    ("binary_only", r"no readable text in .*\(1 files skipped"),
+    ("binary_only", r"no readable text in .*\(1 files skipped as binaries"),
+    ("not_utf8", r"latin1\.txt is not UTF-8 text; convert it"),
+    ("input_twice", r"--input reaches .*doc0\.md twice \(as .*corpus/sub/doc0\.md and .*sub/doc0\.md\); its copies would be split apart"),
     ("malformed_jsonl", r"bad\.jsonl line 3 is malformed JSON"),
     ("jsonl_fields", r'bad\.jsonl line 2 has keys prompt: a record needs a "text" string, or "prompt" and "response"'),
     ("both_shapes", r'bad\.jsonl line 1 has keys prompt, response, text: .* not both'),
@@ -383,6 +394,7 @@ def test_errors(case, message, corpus, tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "fake.model").write_text("not a model\n")
+    (tmp_path / "latin1.txt").write_bytes("un café\n".encode("latin-1"))
     write_jsonl(tmp_path / "sft.jsonl", plain_every=0)
     bad = tmp_path / "bad.jsonl"
     inputs = {
@@ -390,6 +402,8 @@ def test_errors(case, message, corpus, tmp_path, monkeypatch):
         "empty_folder": [tmp_path / "empty"],
         "empty_file": [tmp_path / "empty.txt"],
         "binary_only": [root / "image.txt"],
+        "not_utf8": [root, tmp_path / "latin1.txt"],
+        "input_twice": [root, root / "sub"],
         "json_neither": [tmp_path / "bad.json"],
         "json_bad_array": [tmp_path / "bad.json"],
         "sft_without_block_size": [tmp_path / "sft.jsonl"],

@@ -226,7 +226,13 @@ def test_refusals(runs, tmp_path):
     store = str(d / "k8")
     other_data = make_data(tmp_path / "other", seed=5)
     other_tok = make_data(tmp_path / "other_tok", tokenizer_id="synthetic-1")  # the same tokens, another tokenizer
+    # data made by hand, without file fingerprints, and a store of it: told apart from other data by their windows
+    bare_store, short = tmp_path / "bare_store", make_data(tmp_path / "short", train_tokens=4096)
+    shutil.copytree(store, bare_store)
+    for meta_file in (bare_store / "meta.json", tmp_path / "short" / "meta.json"):
+        meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "data": None}))
     cases = [
+        (dict(common, teacher_topk_dir=str(bare_store), data_dir=short), "holds 255 windows, the train split of"),
         (dict(common, teacher_topk_dir=store, data_dir=other_data), "other data"),
         (dict(common, teacher_topk_dir=store, data_dir=other_tok), "another tokenizer"),
         (dict(common, teacher_topk_dir=store, block_size=16), "block_size=32"),

@@ -9,6 +9,7 @@ its state from scratch on every run (seed, process group, models)."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -420,6 +421,22 @@ def test_save_adapter_only_writes_no_merged_model(lora_runs):
     assert "adapter" in files and "model.pt" not in files
     assert sorted(os.listdir(os.path.join(lora_runs["adapter_only"], "adapter"))) == [
         "adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_resume_refuses_another_objective_or_teacher(parity_runs, setup, tmp_path):
+    # the divergence's settings, and the teacher's bytes at the same path, decide what is trained
+    common = dict(TRAIN, data_dir=setup["masked"], init_from="resume", teacher_init=setup["teacher"], kd_ratio=0.6,
+                  kd_divergence="skl", kd_temperature=1.5, max_iters=6)
+    out = shutil.copytree(parity_runs["resumed"], tmp_path / "resumed")
+    r = run("kd_train.py", check=False, env=ENV, **dict(common, out_dir=str(out), kd_temperature=2.0))
+    assert r.returncode == 2 and "was trained with kd_temperature=1.5; resume with the same settings" in r.stderr, r.stderr
+    teacher = tmp_path / "teacher.pt"
+    shutil.copyfile(setup["teacher"], teacher)
+    run("kd_train.py", env=ENV, **dict(common, out_dir=str(tmp_path / "t"), init_from=setup["student"],
+                                       teacher_init=str(teacher), max_iters=1))
+    shutil.copyfile(setup["student"], teacher)  # retrained in place
+    r = run("kd_train.py", check=False, env=ENV, **dict(common, out_dir=str(tmp_path / "t"), teacher_init=str(teacher)))
+    assert r.returncode == 2 and "is not the one" in r.stderr and "its bytes differ" in r.stderr, r.stderr
 
 
 def test_lora_resume_equals_straight_run(lora_runs):

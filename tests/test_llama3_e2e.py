@@ -31,11 +31,15 @@ TRAIN = dict(block_size=32, batch_size=4, max_iters=2, warmup_iters=1, learning_
              eval_iters=1, log_interval=1, ckpt_interval=1000, quantizer="8da4w", group_size=32)
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+
+
 @pytest.fixture(scope="module")
 def llama32(tmp_path_factory):
     """An HF directory: a random tied Llama-3.2-shaped model and a byte-level BPE tokenizer.json."""
     d = tmp_path_factory.mktemp("llama32")
     write_hf(d)
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # in a file of its own, as transformers 4.4x on saves it
     vocab = json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
     cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
@@ -69,6 +73,10 @@ def test_qat_from_hf_directory_exports_what_transformers_loads(llama32, tmp_path
     assert cfg["eos_token_id"] == json.loads((export / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
     assert torch.load(out / "ckpt.pt", weights_only=True)["stop_ids"] == [5, 2]
     assert (export / "tokenizer.json").exists() and (export / "generation_config.json").exists()
+    # the source's chat template comes along, so the export chats in transformers as the source did
+    chat = transformers.AutoTokenizer.from_pretrained(export).apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                                   tokenize=False)
+    assert chat == "<s>user: hi</s>"
     # the export computes what the trained checkpoint computes, in transformers
     args, sd = load_checkpoint(str(out / "ckpt.pt"))
     assert args.tie_embeddings and torch.equal(sd["output.weight"], sd["tok_embeddings.weight"])  # still tied

@@ -153,14 +153,20 @@ def test_hf_bos_semantics(tmp_path):
     # not set: the tokenizer's own post-processor decides
     assert load_tokenizer(write_hf(tmp_path / "tmpl", {"bos_token": "<s>", "eos_token": "</s>"}, template=True)).bos_id == 1
     assert load_tokenizer(write_hf(tmp_path / "none", {"bos_token": "<s>", "eos_token": "</s>"})).bos_id is None
+    # no config names a BOS, yet the post-processor puts one before every text: that is the BOS, as in transformers
+    assert load_tokenizer(write_hf(tmp_path / "tmpl_only", {"eos_token": "</s>"}, template=True)).bos_id == 1
     # special_tokens_map.json alone names them too, and is copied along
     folder = write_hf(tmp_path / "map", {})
     (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}</s>{% endfor %}")
     tok = load_tokenizer(folder / "tokenizer.json")
     assert (tok.bos_id, tok.eos_id) == (None, 2)  # no add_bos_token and no template: no BOS
     meta = prepare([write_corpus(tmp_path / "corpus")], tmp_path / "out", tokenizer=folder, num_proc=1)
     assert meta["bos_id"] is None and sorted(decode_documents(tmp_path / "out", tok)) == sorted(TEXTS.values())
-    assert sorted(meta["tokenizer"]["files"]) == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    # the chat template in a file of its own (transformers 4.4x on) goes along too, into every export
+    assert sorted(meta["tokenizer"]["files"]) == ["chat_template.jinja", "special_tokens_map.json", "tokenizer.json",
+                                                  "tokenizer_config.json"]
+    assert (tmp_path / "out" / "chat_template.jinja").read_text() == (folder / "chat_template.jinja").read_text()
     with pytest.raises(DataPrepError, match="no eos_token"):
         load_tokenizer(write_hf(tmp_path / "noeos", {"bos_token": "<s>"}))
     with pytest.raises(DataPrepError, match="names eos_token '<eos>', which"):
