@@ -149,6 +149,26 @@ def source_stop_ids(path, ckpt):
     return []
 
 
+def source_generation(path, ckpt):
+    """The source model's sampling defaults (do_sample, temperature, top_p: Llama 3.1 Instruct's
+    0.6 and 0.9), which an export's generation_config.json keeps so that transformers and vLLM
+    sample from it as from its source: an HF directory's generation_config.json less its token ids
+    (the export writes those from the data), or what a nanotune checkpoint `ckpt`, or export,
+    carried on from its own source. {} when none says."""
+    if ckpt:
+        source = ckpt.get("config", {}).get("init_from")
+        return dict(ckpt["generation"]) if "generation" in ckpt else source_generation(source, None) if source else {}
+    if not os.path.isdir(str(path)):
+        return {}
+    if "generation" in (provenance := load_provenance(path) or {}):
+        return dict(provenance["generation"])
+    if not os.path.isfile(file := os.path.join(path, "generation_config.json")):
+        return {}
+    with open(file) as f:
+        return {k: v for k, v in json.load(f).items()
+                if not k.endswith("token_id") and not k.startswith("_") and k != "transformers_version"}
+
+
 def stop_ids(data_meta, source_ids):
     """An export's eos_token_id: the data's EOS, then the source model's stop ids, and for Llama 3's
     tiktoken tokenizer the end of a turn and of a tool call, where Meta's own code stops too; one
@@ -699,11 +719,12 @@ def _hf_tokenizer_config(tokenizer_model):
     return {**config, "add_bos_token": tok.bos_id is not None, "add_eos_token": False}
 
 
-def export_hf(state_dict, args, out_dir, tokenizer_files=(), bos_id=None, eos_id=None, provenance=None):
+def export_hf(state_dict, args, out_dir, tokenizer_files=(), bos_id=None, eos_id=None, provenance=None, generation=None):
     """config.json + model.safetensors + generation_config.json, as transformers'
     LlamaForCausalLM (MistralForCausalLM with a sliding window) loads them, plus copies of
-    tokenizer_files and nanotune.json holding the provenance dict. eos_id may be a list. A
-    tokenizer.model without a tokenizer_config.json gets one (_hf_tokenizer_config)."""
+    tokenizer_files and nanotune.json holding the provenance dict. eos_id may be a list; generation
+    holds the source's sampling defaults (source_generation). A tokenizer.model without a
+    tokenizer_config.json gets one (_hf_tokenizer_config)."""
     _check_tokenizer_files(tokenizer_files, ("config.json", "generation_config.json", "model.safetensors",
                                              "nanotune.json"))
     names = {os.path.basename(f): f for f in tokenizer_files}
@@ -713,7 +734,7 @@ def export_hf(state_dict, args, out_dir, tokenizer_files=(), bos_id=None, eos_id
     if args.tie_embeddings:  # safetensors refuses shared tensors, and transformers re-ties them
         del sd["output.weight"]
     config = _hf_config(args, sd["tok_embeddings.weight"].dtype, bos_id, eos_id)
-    generation = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}
+    generation = {**(generation or {}), **{k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}}
     with _atomic_dir(out_dir) as tmp:
         _write_json(config, os.path.join(tmp, "config.json"))
         _write_json(generation, os.path.join(tmp, "generation_config.json"))

@@ -69,7 +69,7 @@ from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch, export_hf, export_meta,
                         load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary, remove_earlier_outputs, save_adapter,
-                        save_training_checkpoint, sharded_dir, source_stop_ids, stop_ids, tokenizer_of)
+                        save_training_checkpoint, sharded_dir, source_generation, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
                    flops_per_token, fuse_fake_quant, initial_scales, learn_scales, mark_only_lora_trainable, merge_lora, peak_flops,
@@ -273,7 +273,7 @@ def load_or_fail(name, path):
     if args.lora_rank:  # a LoRA student of an earlier run: start from its merged weights
         state = merge_lora(state, args)
         args.lora_rank = 0
-    return args, state, source_stop_ids(path, ckpt)
+    return args, state, source_stop_ids(path, ckpt), source_generation(path, ckpt)
 
 
 # the teacher's bytes (a store's: its teacher's), which a resume compares: a teacher retrained or
@@ -283,13 +283,14 @@ teacher_digest = (store_meta or {}).get("teacher_digest") if from_store else che
 # the student's shape: from the checkpoint, or from the preset and overrides; then our LoRA
 # source_stops: the source model's stop ids beyond the data's EOS (an Instruct model lists several),
 # carried in the checkpoints and written to the export's generation config
-init_state, ckpt, source_stops = None, {}, []
+# generation: the source's sampling defaults, carried the same way (a student from scratch has none)
+init_state, ckpt, source_stops, generation = None, {}, [], {}
 if init_from == "resume":
     # our own checkpoint: model (adapters included), optimizer and position
     ckpt = torch.load(os.path.join(sharded_from, "state.pt") if sharded_from else resume_path,
                       map_location="cpu", mmap=True, weights_only=True)
     model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt.get("model")  # sharded: read later
-    source_stops = source_stop_ids(resume_path, ckpt)
+    source_stops, generation = source_stop_ids(resume_path, ckpt), source_generation(resume_path, ckpt)
     try:  # these decide which batches a step sees, what is trained, or what the weights were trained for
         check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init",
                                     "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
@@ -311,7 +312,7 @@ elif init_from == "scratch":
     except ValueError as e:  # a shape that cannot be, e.g. n_head not dividing n_embd
         fail(str(e))
 else:
-    model_args, init_state, source_stops = load_or_fail("init_from", init_from)
+    model_args, init_state, source_stops, generation = load_or_fail("init_from", init_from)
 if init_from != "resume":
     model_args.lora_rank, model_args.lora_alpha = lora_rank, lora_alpha
     model_args.lora_dropout, model_args.lora_targets = lora_dropout, tuple(lora_targets)
@@ -322,7 +323,7 @@ if init_from != "resume":
 if from_store:  # the stop ids the teacher had when its store was written (a store from before they were recorded: none)
     teacher_args, teacher_state, teacher_stops = None, None, store_meta.get("stop_ids")
 else:
-    teacher_args, teacher_state, teacher_stops = load_or_fail("teacher_init", teacher_init)
+    teacher_args, teacher_state, teacher_stops, _ = load_or_fail("teacher_init", teacher_init)
 if init_from == "scratch":  # a student from scratch stops where its teacher does
     if teacher_stops is None and master_process:
         print(f"warning: the store in {teacher_topk_dir} predates recorded stop ids, so this student stops at the data's "
@@ -936,7 +937,7 @@ def save_checkpoint():
              "epoch": iter_num // steps_per_epoch, "config": config, "quantizer": quantizer, "group_size": group_size,
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1), "teacher_init": teacher_init,
              "teacher_val_loss": teacher_val_loss, "teacher_digest": teacher_digest, "tokenizer": data_tokenizer,
-             "data": data_meta.get("data"), "stop_ids": source_stops, "rng": rngs}
+             "data": data_meta.get("data"), "stop_ids": source_stops, "generation": generation, "rng": rngs}
     save_training_checkpoint(model, [optimizer], small, out_dir, sharded_checkpoint)
 
 
@@ -1224,16 +1225,16 @@ if master_process:
         save_adapter(adapter_state_dict(cpu_state), model_args, os.path.join(out_dir, "adapter"))
     if not save_adapter_only:
         atomic_save({"model": merged, "model_args": vars(merged_args).copy(), "iter_num": iter_num, "config": config,
-                     "tokenizer": data_tokenizer, "stop_ids": source_stops},
+                     "tokenizer": data_tokenizer, "stop_ids": source_stops, "generation": generation},
                     os.path.join(out_dir, "model.pt"))
     tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
     provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config,
-                  "stop_ids": source_stops}
+                  "stop_ids": source_stops, "generation": generation}
     if export_format == "meta":
         export_meta(merged, merged_args, os.path.join(out_dir, "export_meta"), tokenizer_files, provenance)
     elif export_format == "hf":
         export_hf(merged, merged_args, os.path.join(out_dir, "export_hf"), tokenizer_files, data_meta.get("bos_id"),
-                  stop_ids(data_meta, source_stops), provenance)
+                  stop_ids(data_meta, source_stops), provenance, generation)
 if quant_bits is not None:
     # Conversion runs on rank 0 alone: torchao's quantized tensors are not shardable by FSDP, and a
     # copy converted on every rank is that many times the work and the memory. Rank 0 converts in

@@ -47,7 +47,7 @@ from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
                         load_sharded_checkpoint, lock_dir, pte_summary, remove_earlier_outputs, save_training_checkpoint,
-                        sharded_dir, source_stop_ids, stop_ids, tokenizer_of)
+                        sharded_dir, source_generation, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
                    initial_scales, learn_scales, merge_lora, peak_flops, restart_scales, weights_only)
@@ -234,6 +234,7 @@ ckpt_fake_quant = bool(ckpt.get("fake_quant")) and same_quant
 # the source model's stop ids beyond the data's EOS (an Instruct model lists several): carried in
 # the checkpoints, written to the export's generation config
 source_stops = source_stop_ids(resume_path, ckpt) if init_from != "scratch" else []
+generation = source_generation(resume_path, ckpt) if init_from != "scratch" else {}  # its sampling defaults, the same way
 # scales learned by range_learning: training state, which load_checkpoint leaves out of the weights
 ckpt_scales = {k: v for k, v in ckpt.get("model", {}).items() if k.endswith("learned_scale")} if same_quant else {}
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
@@ -603,7 +604,8 @@ def save_checkpoint():
              "epoch": iter_num // max(steps_per_epoch, 1), "config": config, "quantizer": quantizer, "group_size": group_size,
              # how these weights were trained (the last step taken), as ckpt_fake_quant reads it
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
-             "tokenizer": data_tokenizer, "data": data_meta.get("data"), "stop_ids": source_stops, "rng": rngs}
+             "tokenizer": data_tokenizer, "data": data_meta.get("data"), "stop_ids": source_stops, "generation": generation,
+             "rng": rngs}
     save_training_checkpoint(model, optimizers, small, out_dir, sharded_checkpoint)
 
 
@@ -798,10 +800,10 @@ if export_format in ("hf", "meta"):  # the trained full-precision weights, for t
         export_dir = os.path.join(out_dir, f"export_{export_format}")
         tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
         provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config,
-                      "stop_ids": source_stops}
+                      "stop_ids": source_stops, "generation": generation}
         if export_format == "hf":
             export_hf(fp_state, model_args, export_dir, tokenizer_files, data_meta.get("bos_id"), stop_ids(data_meta, source_stops),
-                      provenance)
+                      provenance, generation)
         else:
             export_meta(fp_state, model_args, export_dir, tokenizer_files, provenance)
         print(f"exported: {export_dir}")

@@ -31,6 +31,7 @@ TRAIN = dict(block_size=32, batch_size=4, max_iters=2, warmup_iters=1, learning_
              eval_iters=1, log_interval=1, ckpt_interval=1000, quantizer="8da4w", group_size=32)
 
 
+SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.9}  # Llama 3.1 Instruct's
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
 
 
@@ -63,7 +64,7 @@ def test_qat_from_hf_directory_exports_what_transformers_loads(llama32, tmp_path
     # an Instruct model's generation config stops at several ids (Llama 3.1: end of text, of a tool call, of a turn)
     hf_dir = Path(shutil.copytree(hf_dir, tmp_path / "instruct"))
     generation = json.loads((hf_dir / "generation_config.json").read_text())
-    (hf_dir / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [5, 2]}))
+    (hf_dir / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [5, 2], **SAMPLING}))
     out = tmp_path / "out"
     run("qat_train.py", init_from=str(hf_dir), data_dir=str(data), out_dir=str(out), export_format="hf", **TRAIN)
     export = out / "export_hf"
@@ -72,6 +73,11 @@ def test_qat_from_hf_directory_exports_what_transformers_loads(llama32, tmp_path
     # the data's EOS first, then the source's other stop ids: carried through the checkpoint to the export
     assert cfg["eos_token_id"] == json.loads((export / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
     assert torch.load(out / "ckpt.pt", weights_only=True)["stop_ids"] == [5, 2]
+    # and its sampling defaults, so that transformers and vLLM sample from the export as from the source
+    exported = json.loads((export / "generation_config.json").read_text())
+    assert {k: exported.get(k) for k in (*SAMPLING, "bos_token_id", "eos_token_id")} == {**SAMPLING, "bos_token_id": 1,
+                                                                                          "eos_token_id": [2, 5]}
+    assert transformers.GenerationConfig.from_pretrained(export).temperature == 0.6
     assert (export / "tokenizer.json").exists() and (export / "generation_config.json").exists()
     # the source's chat template comes along, so the export chats in transformers as the source did
     chat = transformers.AutoTokenizer.from_pretrained(export).apply_chat_template([{"role": "user", "content": "hi"}],
@@ -94,6 +100,20 @@ def test_qat_from_hf_directory_exports_what_transformers_loads(llama32, tmp_path
     assert torch.equal(out_ids, ours.generate(tokens[:1, :8], 6, temperature=0))
     # and the converted model and the copy of the tokenizer are beside the checkpoint
     assert (out / "quantized.pt").exists() and (out / "tokenizer.json").exists()
+
+
+def test_kd_student_export_keeps_its_sources_sampling_defaults(llama32, tmp_path):
+    # a student finetuned from an Instruct directory, through a checkpoint and a resume, to its HF export
+    hf_dir, data = llama32
+    hf_dir = Path(shutil.copytree(hf_dir, tmp_path / "instruct"))
+    generation = json.loads((hf_dir / "generation_config.json").read_text())
+    (hf_dir / "generation_config.json").write_text(json.dumps({**generation, **SAMPLING}))
+    settings = {k: v for k, v in TRAIN.items() if k not in ("quantizer", "group_size")}
+    common = dict(settings, init_from=str(hf_dir), teacher_init=str(hf_dir), data_dir=str(data), out_dir=str(tmp_path / "kd"))
+    run("kd_train.py", **dict(common, max_iters=1))
+    run("kd_train.py", **dict(common, init_from="resume", export_format="hf"))
+    exported = json.loads((tmp_path / "kd" / "export_hf" / "generation_config.json").read_text())
+    assert {k: exported.get(k) for k in SAMPLING} == SAMPLING
 
 
 def test_data_from_another_tokenizer_is_refused(llama32, tmp_path):
