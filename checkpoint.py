@@ -96,6 +96,9 @@ def load_checkpoint(path, weights=True):
         return _load_meta(path, weights)
     if os.path.isfile(os.path.join(path, "config.json")):
         return _load_hf(path, weights)
+    if os.path.isfile(os.path.join(path, "params.json")):
+        raise ValueError(f"{path} has a params.json but no consolidated.NN.pth weights (Mistral's consolidated.safetensors "
+                         f"is not read: give its Hugging Face directory)")
     if d := sharded_dir(path):  # the training scripts resume these; everything else reads one file
         raise ValueError(f"{path!r} is a sharded training checkpoint; convert it with {TO_SINGLE_FILE.format(d)} and give {d + '.pt'!r}")
     raise ValueError(NOT_A_CHECKPOINT.format(path))
@@ -509,6 +512,7 @@ def _hf_rope(cfg, where):
 
 
 def _hf_weight_files(path):
+    incomplete = None  # repositories often ship both formats' indexes; a download may hold one format's files
     for index, pattern in (("model.safetensors.index.json", "model*.safetensors"),
                            ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
         index = os.path.join(path, index)
@@ -516,15 +520,16 @@ def _hf_weight_files(path):
             with open(index) as f:
                 names = sorted(set(json.load(f)["weight_map"].values()))
             missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
-            if missing:
-                raise ValueError(f"{index} names {len(missing)} weight files that are not in {path} "
-                                 f"(e.g. {missing[0]}): finish the download")
-            return [os.path.join(path, n) for n in names]
+            if not missing:
+                return [os.path.join(path, n) for n in names]
+            incomplete = incomplete or ValueError(f"{index} names {len(missing)} weight files that are not in {path} "
+                                                  f"(e.g. {missing[0]}): finish the download")
+            continue
         # model*, not *.safetensors: Mistral's directories also hold consolidated.safetensors in Meta's names
         files = sorted(glob(os.path.join(path, pattern)))
         if files:
             return files
-    raise ValueError(f"{path} has a config.json but no model*.safetensors or pytorch_model*.bin files")
+    raise incomplete or ValueError(f"{path} has a config.json but no model*.safetensors or pytorch_model*.bin files")
 
 
 def _args_for(params, sd, where, hidden_dim=None, hf_names=False):

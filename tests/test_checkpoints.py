@@ -222,11 +222,14 @@ def test_nanotune_checkpoint(tmp_path):
 
 
 def test_not_a_checkpoint(tmp_path):
-    (tmp_path / "params.json").write_text("{}")  # but no consolidated.NN.pth
     (tmp_path / "notes.txt").write_text("hello")
     for path in (tmp_path, tmp_path / "missing", tmp_path / "notes.txt"):
         with pytest.raises(ValueError, match=r"init_from=.* is neither a nanotune checkpoint nor a Meta"):
             load_checkpoint(str(path))
+    # Mistral's own layout: params.json beside consolidated.safetensors, which is not read
+    (tmp_path / "params.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"has a params.json but no consolidated.NN.pth weights \(Mistral's"):
+        load_checkpoint(str(tmp_path))
 
 
 def test_lora_export_merges(tmp_path):

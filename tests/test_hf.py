@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import load_file as safe_load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -206,6 +207,11 @@ def test_hf_missing_shard(tmp_path):
     with pytest.raises(ValueError, match=r"names 1 weight files that are not in .*model-00002-of-00002") as e:
         load_checkpoint(str(path))
     assert "\n" not in str(e.value)
+    # the other format complete beside it (repositories ship both indexes): that one is read
+    args, sd = load_checkpoint(str(save_hf(hf_model("llama3"), tmp_path / "bin", "5.x")))
+    torch.save(safe_load_file(tmp_path / "bin" / "model.safetensors"), path / "pytorch_model.bin")
+    args2, sd2 = load_checkpoint(str(path))
+    assert args2 == args and all(torch.equal(sd2[k], v) for k, v in sd.items())
 
 
 def test_meta_scaled_rope(tmp_path):
