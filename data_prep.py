@@ -425,8 +425,9 @@ def stdlib_files():
     return files
 
 
-def list_files(inputs):
-    """(path, key) for every file to read; the key names a file independently of where the input lives."""
+def list_files(inputs, left_out=None):
+    """(path, key) for every file to read; the key names a file independently of where the input lives.
+    Files of a folder that are not of a text or record extension are appended to left_out."""
     files, seen = [], {}
     for inp in map(os.fspath, inputs):
         if not os.path.exists(inp):
@@ -440,9 +441,11 @@ def list_files(inputs):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
                 for name in sorted(filenames):
                     ext = os.path.splitext(name)[1].lower()
+                    path = os.path.join(dirpath, name)
                     if not name.startswith(".") and ext in TEXT_EXTENSIONS + RECORD_EXTENSIONS:
-                        path = os.path.join(dirpath, name)
                         found.append((path, os.path.relpath(path, inp).replace(os.sep, "/")))
+                    elif not name.startswith(".") and left_out is not None:
+                        left_out.append(path)
         for path, key in found:
             # a file read twice is split twice, by two keys: one copy could land in val, the other in train
             if (real := os.path.realpath(path)) in seen:
@@ -737,7 +740,11 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
     if inputs is None:
         files, sources = stdlib_files(), [f"default: python stdlib {sysconfig.get_paths()['stdlib']}"]
     else:
-        files, sources = list_files(inputs), inputs
+        left_out = []
+        files, sources = list_files(inputs, left_out), inputs
+        if left_out:  # a folder of .text or .markdown files would otherwise lose them without a word
+            print(f"note: {len(left_out)} files in the input folders are not of a text extension and were left out: "
+                  f"{', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''}")
     if not files:
         raise DataPrepError(f"no text files in {' '.join(inputs)} (looked for {' '.join(RECORD_EXTENSIONS + TEXT_EXTENSIONS)})")
 

@@ -100,7 +100,9 @@ def test_counts_match_files(corpus, tmp_path, capsys):
     root, texts = corpus
     out = tmp_path / "out"
     meta = prepare([root], out, vocab_size=VOCAB, num_proc=1)
-    assert f"warning: 1 binary files (NUL bytes) skipped: {root / 'image.txt'}\n" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"warning: 1 binary files (NUL bytes) skipped: {root / 'image.txt'}\n" in printed
+    assert f"note: 1 files in the input folders are not of a text extension and were left out: {root / 'ignored.bin'}\n" in printed
     assert meta == json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == VOCAB and meta["dtype"] == "uint16"
     assert (meta["bos_id"], meta["eos_id"], meta["has_mask"], meta["packed"]) == (1, 2, False, False)
