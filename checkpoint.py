@@ -109,6 +109,8 @@ def checkpoint_digest(path, samples=64, chunk=1 << 16):
     `samples` reads of `chunk` bytes spread evenly over each file. Another training of the same
     shape differs in every weight, so in the reads; 4 MiB a file keeps it quick for an 8B model."""
     h = hashlib.sha256()
+    if os.path.isfile(os.path.join(path, "ckpt.pt")):  # a run's out_dir: its checkpoint, not the logs and outputs beside it
+        path = os.path.join(path, "ckpt.pt")
     files = [path] if os.path.isfile(path) else sorted(f for f in glob(os.path.join(path, "**"), recursive=True) if os.path.isfile(f))
     for file in files:
         size = os.path.getsize(file)
@@ -437,7 +439,7 @@ def _load_hf(path, weights=True):
         cfg = json.load(f)
     params = _hf_params(cfg, where)
     hf = {}
-    for file in _hf_weight_files(path):
+    for file in _hf_weight_files(path, say=weights):
         if file.endswith(".safetensors"):
             hf.update(load_file(file))  # memory-mapped
         else:
@@ -511,23 +513,24 @@ def _hf_rope(cfg, where):
                 rope_high_freq_factor=rope["high_freq_factor"], rope_original_max_seq_len=original)
 
 
-def _hf_weight_files(path):
+def _hf_weight_files(path, say=False):
     incomplete = None  # repositories often ship both formats' indexes; a download may hold one format's files
     for index, pattern in (("model.safetensors.index.json", "model*.safetensors"),
                            ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
         index = os.path.join(path, index)
+        files = []
         if os.path.isfile(index):
             with open(index) as f:
                 names = sorted(set(json.load(f)["weight_map"].values()))
-            missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
-            if not missing:
-                return [os.path.join(path, n) for n in names]
-            incomplete = incomplete or ValueError(f"{index} names {len(missing)} weight files that are not in {path} "
-                                                  f"(e.g. {missing[0]}): finish the download")
-            continue
+            if missing := [n for n in names if not os.path.isfile(os.path.join(path, n))]:
+                incomplete = incomplete or ValueError(f"{index} names {len(missing)} weight files that are not in {path} "
+                                                      f"(e.g. {missing[0]}): finish the download")
+                continue
+            files = [os.path.join(path, n) for n in names]
         # model*, not *.safetensors: Mistral's directories also hold consolidated.safetensors in Meta's names
-        files = sorted(glob(os.path.join(path, pattern)))
-        if files:
+        if files := files or sorted(glob(os.path.join(path, pattern))):
+            if incomplete and say:
+                print(f"note: {incomplete}; reading the {pattern} files instead")
             return files
     raise incomplete or ValueError(f"{path} has a config.json but no model*.safetensors or pytorch_model*.bin files")
 

@@ -210,7 +210,7 @@ def load_topk_store(store_dir, data_meta, block_size, temperature):
         (not meta["complete"], f"is incomplete ({meta['windows_done']} of {meta['n_windows']} windows); finish it by "
                                f"rerunning its topk_write=True command"),
         (meta["data"] != data_meta.get("data"), f"was written from other data (its files differ); {write}"),
-        (meta["tokenizer"] != tokenizer,
+        (tokenizer_mismatch(meta["tokenizer"], tokenizer) if meta["tokenizer"] and tokenizer else meta["tokenizer"] != tokenizer,
          f"was written with another tokenizer than the data ("
          f"{tokenizer_mismatch(meta['tokenizer'], tokenizer) if meta['tokenizer'] and tokenizer else 'one has none'}); {write}"),
         (meta["vocab_size"] != data_meta["vocab_size"],
@@ -447,33 +447,36 @@ def list_files(inputs, left_out=None):
                     elif not name.startswith(".") and left_out is not None:
                         left_out.append(path)
         for path, key in found:
-            # a file read twice is split twice, by two keys: one copy could land in val, the other in train
-            if (real := os.path.realpath(path)) in seen:
-                raise DataPrepError(f"--input reaches {real} twice (as {seen[real]} and {path}); its copies would be "
+            # a file read twice is split twice, by two keys: one copy could land in val, the other in train.
+            # Within a folder it is a link to a file beside it (README.md -> docs/index.md): read once
+            if (real := os.path.realpath(path)) in seen and seen[real][1] != inp:
+                raise DataPrepError(f"--input reaches {real} twice (as {seen[real][0]} and {path}); its copies would be "
                                     f"split apart, val leaking into train: give each file once")
-            seen[real] = path
-            files.append((path, key))
+            if real not in seen:
+                seen[real] = path, inp
+                files.append((path, key))
     return files
 
 
-def iter_documents(files, skipped=None):
+def iter_documents(files, skipped=None, undecodable=None):
     """Yield (key, prompt, text, first, last) per piece of each document of the (path, key) files.
 
     prompt is None for plain text. A text file is one document, read in pieces of about DOC_CHARS
     characters cut at line boundaries before a visible character; first and last say whether a
     piece starts or ends its document.
     Binaries (NUL bytes near the start) are skipped and appended to skipped; a text file that is
-    not UTF-8 raises DataPrepError. A UTF-8 byte order mark starting a file is not text: left out.
+    not UTF-8 is appended to undecodable, or raises DataPrepError without it. A UTF-8 byte order
+    mark starting a file is not text: left out.
     """
     for path, key in files:
         if path.lower().endswith(RECORD_EXTENSIONS):
             for k, prompt, text in _record_documents(path, key):
                 yield k, prompt, text, True, True
         else:
-            yield from _text_documents(path, key, skipped if skipped is not None else [])
+            yield from _text_documents(path, key, skipped if skipped is not None else [], undecodable)
 
 
-def _text_documents(path, key, skipped):
+def _text_documents(path, key, skipped, undecodable):
     # newline="" keeps the text byte for byte, so decoding the tokens gives back the file
     try:
         with open(path, "rb") as f:
@@ -487,8 +490,14 @@ def _text_documents(path, key, skipped):
         raise DataPrepError(f"cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         f.close()
-        raise DataPrepError(f"{path} is not UTF-8 text; convert it (iconv -t UTF-8) or remove it from --input") from None
+        if undecodable is None:
+            raise DataPrepError(f"{path} is not UTF-8 text; convert it (iconv -t UTF-8) or remove it from --input") from None
+        undecodable.append(path)
+        return
     with f:
+        if "\x00" in text:
+            skipped.append(path)
+            return
         i = 0
         while text:
             try:
@@ -513,7 +522,7 @@ def _record_documents(path, key):
     """(key, prompt, text) per record of a .jsonl file, or of a .json file (one array, or JSON lines)."""
     try:
         with open(path, "rb") as f:  # bytes, so a decode error can name its line
-            data = f.read()
+            data = f.read().removeprefix(b"\xef\xbb\xbf")  # a byte order mark is not a record
     except OSError as e:
         raise DataPrepError(f"cannot read {path}: {e.strerror}") from None
     if path.lower().endswith(".json") and data.lstrip()[:1] == b"[":
@@ -758,7 +767,8 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
     packed = long_text = None
     with tempfile.TemporaryFile("w+", encoding="utf-8", newline="\n") as sample:  # lines end at "\n" only
         sample_chars = 0
-        for key, prompt, text, first, last in iter_documents(files, skipped):
+        undecodable = []
+        for key, prompt, text, first, last in iter_documents(files, skipped, undecodable):
             n_units += 1
             if prompt is not None and not packed:
                 packed = True
@@ -778,6 +788,10 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
                     if part:
                         sample.write(part if part.endswith("\n") else part + "\n")
                         sample_chars += len(part)
+        if undecodable:  # all of them in one message, not one a run
+            raise DataPrepError(f"{len(undecodable)} files are not UTF-8 text ({', '.join(undecodable[:3])}"
+                                f"{', ...' if len(undecodable) > 3 else ''}); convert them (iconv -t UTF-8) or remove "
+                                f"them from --input")
         if not sizes:
             note = f" ({len(skipped)} files skipped as binaries)" if skipped else ""
             raise DataPrepError(f"no readable text in {' '.join(inputs or ['the stdlib'])}{note}")

@@ -290,16 +290,24 @@ data_dtype = np.dtype(data_meta["dtype"])
 has_mask, has_pos = bool(data_meta.get("has_mask")), bool(data_meta.get("has_pos"))
 
 
-data_bytes = {name: d["bytes"] for name, d in (data_meta.get("data") or {}).items()}  # checked at start-up
+data_files = {}  # (inode, size) of each bin as first opened, against data_prep.py writing into data_dir under this run
 
 
 def memmap(split, kind=""):
     # a fresh memmap per batch: a long-lived one grows the process's memory (nanoGPT's lesson)
     dtype = {"": data_dtype, "mask": np.uint8, "pos": np.dtype(data_meta.get("pos_dtype") or "uint16")}[kind]
-    name = f"{split}_{kind}.bin" if kind else f"{split}.bin"
-    m = np.memmap(os.path.join(data_dir, name), dtype=dtype, mode="r")
-    if m.nbytes != data_bytes.get(name, m.nbytes):  # data_prep.py wrote other data into data_dir under this run
-        fail(f"{os.path.join(data_dir, name)} changed during the run ({m.nbytes:,} bytes, {data_bytes[name]:,} at its start)")
+    path = os.path.join(data_dir, f"{split}_{kind}.bin" if kind else f"{split}.bin")
+    try:
+        with open(path, "rb") as f:
+            m, stat = np.memmap(f, dtype=dtype, mode="r"), os.fstat(f.fileno())
+            now = stat.st_ino, stat.st_size
+    except FileNotFoundError:
+        now = None
+    if data_files.setdefault(path, now) != now:  # replaced, rewritten or removed
+        # on whichever rank sees it (data may be local to each node), so not through fail()
+        print(f"error{f' (rank {rank})' if world_size > 1 else ''}: {path} changed during the run (data prepared again "
+              f"into {data_dir}?); stopped rather than train on other data", file=sys.stderr, flush=True)
+        sys.exit(2)
     return m
 
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from checkpoint import (  # noqa: E402
-    export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, remove_earlier_outputs, save_adapter,
+    checkpoint_digest, export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, remove_earlier_outputs, save_adapter,
     source_stop_ids, stop_ids,
 )
 from model import PRESETS, ModelArgs, Transformer, merge_lora  # noqa: E402
@@ -219,6 +219,16 @@ def test_nanotune_checkpoint(tmp_path):
     torch.save({**ckpt, "config": {"obj": object()}}, tmp_path / "unsafe.pt")
     with pytest.raises(ValueError, match="plain Python values"):
         load_checkpoint(str(tmp_path / "unsafe.pt"))
+
+
+def test_checkpoint_digest(tmp_path):
+    # a teacher's identity: its bytes, sampled; a run's out_dir is its ckpt.pt, not the logs and outputs beside it
+    torch.save({"w": torch.arange(1 << 20, dtype=torch.float32)}, tmp_path / "ckpt.pt")
+    digest = checkpoint_digest(str(tmp_path))
+    (tmp_path / "log.jsonl").write_text("{}\n")
+    assert checkpoint_digest(str(tmp_path)) == digest == checkpoint_digest(str(tmp_path / "ckpt.pt"))
+    torch.save({"w": torch.arange(1 << 20, dtype=torch.float32) + 1}, tmp_path / "ckpt.pt")  # retrained in place
+    assert checkpoint_digest(str(tmp_path)) != digest
 
 
 def test_not_a_checkpoint(tmp_path):

@@ -3,6 +3,7 @@ import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,22 @@ def test_counts_match_files(corpus, tmp_path, capsys):
         f.write(b"\0\0")
     with pytest.raises(DataPrepError, match=r"val\.bin is [\d,]+ bytes where .*meta\.json says [\d,]+ bytes: the data was changed"):
         data_prep.load_data_meta(out, 32)
+
+
+def test_link_in_a_folder_is_read_once_and_a_bom_is_not_text(corpus, tmp_path):
+    # a symlink beside its target (README.md -> docs/index.md) is one document, not two to split apart
+    root, texts = corpus
+    copy = tmp_path / "c"
+    shutil.copytree(root, copy)
+    (copy / "link.txt").symlink_to(copy / "doc1.txt")
+    meta = prepare([copy], tmp_path / "out", vocab_size=VOCAB, num_proc=1)
+    assert meta["train_docs"] + meta["val_docs"] - meta["cut_docs"] == len(texts)
+    # a JSON array of records saved with a byte order mark parses as one
+    rng = random.Random(3)
+    records = [{"text": sentence(rng, 12)} for _ in range(40)]
+    (tmp_path / "r.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(records).encode())
+    meta = prepare([tmp_path / "r.json"], tmp_path / "out2", tokenizer=tmp_path / "out" / "tokenizer.model", num_proc=1)
+    assert meta["train_docs"] + meta["val_docs"] - meta["cut_docs"] == 40
 
 
 def test_documents_have_bos_and_eos_and_stay_whole(tmp_path):
@@ -371,7 +388,7 @@ def test_killed_runs_temp_folder_is_named(corpus, tmp_path, capsys):
     ("empty_folder", r"no text files in"),
     ("empty_file", r"no readable text in"),
     ("binary_only", r"no readable text in .*\(1 files skipped as binaries"),
-    ("not_utf8", r"latin1\.txt is not UTF-8 text; convert it"),
+    ("not_utf8", r"2 files are not UTF-8 text \(.*latin1\.txt, .*latin2\.txt\); convert them"),
     ("input_twice", r"--input reaches .*doc0\.md twice \(as .*corpus/sub/doc0\.md and .*sub/doc0\.md\); its copies would be split apart"),
     ("malformed_jsonl", r"bad\.jsonl line 3 is malformed JSON"),
     ("jsonl_fields", r'bad\.jsonl line 2 has keys prompt: a record needs a "text" string, or "prompt" and "response"'),
@@ -397,6 +414,7 @@ def test_errors(case, message, corpus, tmp_path, monkeypatch):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "fake.model").write_text("not a model\n")
     (tmp_path / "latin1.txt").write_bytes("un café\n".encode("latin-1"))
+    (tmp_path / "latin2.txt").write_bytes("une crème\n".encode("latin-1"))
     write_jsonl(tmp_path / "sft.jsonl", plain_every=0)
     bad = tmp_path / "bad.jsonl"
     inputs = {
@@ -404,7 +422,7 @@ def test_errors(case, message, corpus, tmp_path, monkeypatch):
         "empty_folder": [tmp_path / "empty"],
         "empty_file": [tmp_path / "empty.txt"],
         "binary_only": [root / "image.txt"],
-        "not_utf8": [root, tmp_path / "latin1.txt"],
+        "not_utf8": [root, tmp_path / "latin1.txt", tmp_path / "latin2.txt"],
         "input_twice": [root, root / "sub"],
         "json_neither": [tmp_path / "bad.json"],
         "json_bad_array": [tmp_path / "bad.json"],

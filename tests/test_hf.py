@@ -197,7 +197,7 @@ def test_hf_tied_config_with_its_own_lm_head(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_hf_missing_shard(tmp_path):
+def test_hf_missing_shard(tmp_path, capsys):
     path = save_hf(hf_model("llama3"), tmp_path / "hf", "5.x")
     os.rename(path / "model.safetensors", path / "model-00001-of-00002.safetensors")
     with safe_open(path / "model-00001-of-00002.safetensors", "pt") as f:
@@ -212,6 +212,7 @@ def test_hf_missing_shard(tmp_path):
     torch.save(safe_load_file(tmp_path / "bin" / "model.safetensors"), path / "pytorch_model.bin")
     args2, sd2 = load_checkpoint(str(path))
     assert args2 == args and all(torch.equal(sd2[k], v) for k, v in sd.items())
+    assert "model.safetensors.index.json names 1 weight files that are not in" in capsys.readouterr().out  # and says so
 
 
 def test_meta_scaled_rope(tmp_path):

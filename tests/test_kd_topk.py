@@ -253,6 +253,13 @@ def test_refusals(runs, tmp_path):
         (dict(common, kd_ratio=0.0, kd_temperature=2.0), "kd_ratio=0 trains on the labels alone, so kd_temperature"),
         (dict(common, kd_ratio=0.0, kd_divergence="fkl"), "so kd_divergence would only change"),
     ]
+    # a store whose tokenizer lists one more file (data prepared again beside a chat_template.jinja) is the same tokenizer
+    listed = tmp_path / "listed"
+    shutil.copytree(store, listed)
+    meta = json.loads((listed / "meta.json").read_text())
+    meta["tokenizer"] = {**meta["tokenizer"], "files": meta["tokenizer"]["files"] + ["chat_template.jinja"]}
+    (listed / "meta.json").write_text(json.dumps(meta))
+    run("kd_train.py", **dict(common, teacher_topk_dir=str(listed), max_iters=1, out_dir=str(tmp_path / "listed_run")))
     results = run_early_exits("kd_train.py", [(settings, None) for settings, _ in cases])
     for (settings, words), r in zip(cases, results):
         assert r.returncode == 2, (settings, r.stderr)

@@ -72,7 +72,8 @@ def test_qat_from_hf_directory_exports_what_transformers_loads(llama32, tmp_path
     assert cfg["tie_word_embeddings"] and cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["head_dim"] == 32
     # the data's EOS first, then the source's other stop ids: carried through the checkpoint to the export
     assert cfg["eos_token_id"] == json.loads((export / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
-    assert torch.load(out / "ckpt.pt", weights_only=True)["stop_ids"] == [5, 2]
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["stop_ids"] == [5, 2] and {k: ckpt["generation"].get(k) for k in SAMPLING} == SAMPLING
     # and its sampling defaults, so that transformers and vLLM sample from the export as from the source
     exported = json.loads((export / "generation_config.json").read_text())
     assert {k: exported.get(k) for k in (*SAMPLING, "bos_token_id", "eos_token_id")} == {**SAMPLING, "bos_token_id": 1,
@@ -111,6 +112,8 @@ def test_kd_student_export_keeps_its_sources_sampling_defaults(llama32, tmp_path
     settings = {k: v for k, v in TRAIN.items() if k not in ("quantizer", "group_size")}
     common = dict(settings, init_from=str(hf_dir), teacher_init=str(hf_dir), data_dir=str(data), out_dir=str(tmp_path / "kd"))
     run("kd_train.py", **dict(common, max_iters=1))
+    generation = torch.load(tmp_path / "kd" / "ckpt.pt", weights_only=True)["generation"]  # what the resume reads
+    assert {k: generation.get(k) for k in SAMPLING} == SAMPLING
     run("kd_train.py", **dict(common, init_from="resume", export_format="hf"))
     exported = json.loads((tmp_path / "kd" / "export_hf" / "generation_config.json").read_text())
     assert {k: exported.get(k) for k in SAMPLING} == SAMPLING

@@ -249,27 +249,35 @@ def test_kill_and_resume_reproduces_straight_run(train, data, tmp_path):
     assert not (out / "ckpt.pt.tmp").exists() and not (out / "quantized.pt.tmp").exists()
 
 
-def test_data_changed_under_a_run_stops_it(tmp_path):
+@pytest.mark.parametrize("script", [SCRIPT, "kd_train.py"])
+def test_data_changed_under_a_run_stops_it(script, tmp_path):
     # data_prep.py run again into data_dir while a run reads it: the run stops at its next batch rather
     # than train on other data, and a run started on bins unlike their meta.json does not start
     data = make_data(tmp_path / "data")
     out = tmp_path / "out"
     settings = {**BASE, "data_dir": data, "out_dir": out, "max_iters": 100_000}
+    if script == "kd_train.py":  # a student from scratch, and a teacher of the same shape trained one step
+        run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": tmp_path / "teacher", "max_iters": 1})
+        settings["teacher_init"] = str(tmp_path / "teacher" / "ckpt.pt")
     with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen(command(SCRIPT, **settings), cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(command(script, **settings), cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=err)
         try:
             deadline = time.monotonic() + 120
             while not (out / "log.jsonl").exists() or not any("loss" in r for r in read_log(out)):
                 assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()[-4000:]
                 time.sleep(0.01)
-            with open(os.path.join(data, "train.bin"), "ab") as f:
-                f.write(bytes(64))
+            # as data_prep.py moves its files in: another file of the same size in the same place
+            new = np.fromfile(os.path.join(data, "train.bin"), dtype=np.uint16)[::-1].copy()
+            new.tofile(os.path.join(data, "new.bin"))
+            os.replace(os.path.join(data, "new.bin"), os.path.join(data, "train.bin"))
             proc.wait(timeout=120)
         finally:
             proc.kill()
     stderr = (tmp_path / "stderr.txt").read_text()
-    assert proc.returncode == 2 and "train.bin changed during the run (16,448 bytes, 16,384 at its start)" in stderr, stderr[-4000:]
-    r = run(SCRIPT, check=False, **{**settings, "out_dir": tmp_path / "out2"})
+    assert proc.returncode == 2 and "train.bin changed during the run (data prepared again into" in stderr, stderr[-4000:]
+    with open(os.path.join(data, "train.bin"), "ab") as f:
+        f.write(bytes(64))
+    r = run(script, check=False, **{**settings, "out_dir": tmp_path / "out2"})
     assert r.returncode == 2 and "train.bin is 16,448 bytes where" in r.stderr and "meta.json says 16,384 bytes" in r.stderr
 
 
