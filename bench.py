@@ -133,8 +133,10 @@ def settings(pairs):
 
 
 def short_val_copy(data_dir, out, n_tokens):
-    """The data with its val split cut to n_tokens (train.bin linked, not copied): the scripts
-    always end with a whole-split evaluation, which is not what a speed run times."""
+    """The data with its val split cut to n_tokens (train.bin linked, not copied; meta.json's file
+    sizes made the cut ones'): the scripts always end with a whole-split evaluation, which is not
+    what a speed run times."""
+    import hashlib
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
@@ -146,9 +148,13 @@ def short_val_copy(data_dir, out, n_tokens):
             kind = "mask" if "mask" in name else "pos" if "pos" in name else ""
             itemsize = np.dtype(meta.get(f"{kind}_dtype") or "uint8" if kind else meta["dtype"]).itemsize
             with open(os.path.join(data_dir, name), "rb") as f, open(dst, "wb") as g:
-                g.write(f.read(n_tokens * itemsize))
-        else:
+                g.write(data := f.read(n_tokens * itemsize))
+            if name in (meta.get("data") or {}):
+                meta["data"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        elif name != "meta.json":
             os.symlink(os.path.abspath(os.path.join(data_dir, name)), dst)
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f)
     return out
 
 
