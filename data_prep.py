@@ -746,14 +746,11 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
     else:
         vocab_size = 4096 if vocab_size is None else vocab_size
         dtype_for_vocab(vocab_size)
+    left_out = []
     if inputs is None:
         files, sources = stdlib_files(), [f"default: python stdlib {sysconfig.get_paths()['stdlib']}"]
     else:
-        left_out = []
         files, sources = list_files(inputs, left_out), inputs
-        if left_out:  # a folder of .text or .markdown files would otherwise lose them without a word
-            print(f"note: {len(left_out)} files in the input folders are not of a text extension and were left out: "
-                  f"{', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''}")
     if not files:
         raise DataPrepError(f"no text files in {' '.join(inputs)} (looked for {' '.join(RECORD_EXTENSIONS + TEXT_EXTENSIONS)})")
 
@@ -945,6 +942,9 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
     print(f"wrote {out_dir}: train {meta['train_tokens']:,} tokens in {meta['train_docs']:,} docs, "
           f"val {meta['val_tokens']:,} tokens in {meta['val_docs']:,} docs{cut}; val share {meta['val_share']:.2%} "
           f"(asked {val_fraction:.2%}), {meta['dtype']}, vocab {tok.vocab_size:,}, {time.time() - t0:.1f}s")
+    if left_out:  # a folder of .text or .markdown files would otherwise lose them without a word
+        print(f"note: {len(left_out)} files in the input folders are not of a text extension and were left out: "
+              f"{', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''}")
     if skipped:
         print(f"warning: {len(skipped)} binary files (NUL bytes) skipped: {', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''}")
     if packed:
