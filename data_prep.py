@@ -206,13 +206,14 @@ def load_topk_store(store_dir, data_meta, block_size, temperature):
     with open(path) as f:
         meta = json.load(f)
     tokenizer = data_meta.get("tokenizer")
+    # by fingerprint: the files listed beside it (a chat template) do not make another tokenizer
+    tok_diff = (tokenizer_mismatch(meta["tokenizer"], tokenizer) if meta["tokenizer"] and tokenizer
+                else "one has none" if meta["tokenizer"] != tokenizer else "")
     problems = [
         (not meta["complete"], f"is incomplete ({meta['windows_done']} of {meta['n_windows']} windows); finish it by "
                                f"rerunning its topk_write=True command"),
         (meta["data"] != data_meta.get("data"), f"was written from other data (its files differ); {write}"),
-        (tokenizer_mismatch(meta["tokenizer"], tokenizer) if meta["tokenizer"] and tokenizer else meta["tokenizer"] != tokenizer,
-         f"was written with another tokenizer than the data ("
-         f"{tokenizer_mismatch(meta['tokenizer'], tokenizer) if meta['tokenizer'] and tokenizer else 'one has none'}); {write}"),
+        (tok_diff, f"was written with another tokenizer than the data ({tok_diff}); {write}"),
         (meta["vocab_size"] != data_meta["vocab_size"],
          f"has a vocabulary of {meta['vocab_size']} tokens, the data {data_meta['vocab_size']}; {write}"),
         (meta["block_size"] != block_size, f"holds windows of block_size={meta['block_size']}; set block_size to it"),

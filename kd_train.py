@@ -456,7 +456,7 @@ def memmap(split, kind=""):
             now = stat.st_ino, stat.st_size
     except FileNotFoundError:
         now = None
-    if data_files.setdefault(path, now) != now:  # replaced, rewritten or removed
+    if now is None or data_files.setdefault(path, now) != now:  # replaced, rewritten or removed
         # on whichever rank sees it (data may be local to each node), so not through fail()
         print(f"error{f' (rank {rank})' if world_size > 1 else ''}: {path} changed during the run (data prepared again "
               f"into {data_dir}?); stopped rather than train on other data", file=sys.stderr, flush=True)
