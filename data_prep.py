@@ -459,6 +459,11 @@ def list_files(inputs, left_out=None):
     return files
 
 
+def first_few(paths, n=3):
+    """The first n paths, for a message about all of them."""
+    return ", ".join(paths[:n]) + (", ..." if len(paths) > n else "")
+
+
 def iter_documents(files, skipped=None, undecodable=None):
     """Yield (key, prompt, text, first, last) per piece of each document of the (path, key) files.
 
@@ -787,9 +792,8 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
                         sample.write(part if part.endswith("\n") else part + "\n")
                         sample_chars += len(part)
         if undecodable:  # all of them in one message, not one a run
-            raise DataPrepError(f"{len(undecodable)} files are not UTF-8 text ({', '.join(undecodable[:3])}"
-                                f"{', ...' if len(undecodable) > 3 else ''}); convert them (iconv -t UTF-8) or remove "
-                                f"them from --input")
+            raise DataPrepError(f"{len(undecodable)} files are not UTF-8 text ({first_few(undecodable)}); convert them "
+                                f"(iconv -t UTF-8) or remove them from --input")
         if not sizes:
             note = f" ({len(skipped)} files skipped as binaries)" if skipped else ""
             raise DataPrepError(f"no readable text in {' '.join(inputs or ['the stdlib'])}{note}")
@@ -945,9 +949,9 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
           f"(asked {val_fraction:.2%}), {meta['dtype']}, vocab {tok.vocab_size:,}, {time.time() - t0:.1f}s")
     if left_out:  # a folder of .text or .markdown files would otherwise lose them without a word
         print(f"note: {len(left_out)} files in the input folders are not of a text extension and were left out: "
-              f"{', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''}")
+              f"{first_few(left_out)}")
     if skipped:
-        print(f"warning: {len(skipped)} binary files (NUL bytes) skipped: {', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''}")
+        print(f"warning: {len(skipped)} binary files (NUL bytes) skipped: {first_few(skipped)}")
     if packed:
         print(f"packed into rows of {block_size}: {meta['train_rows']:,} train, {meta['val_rows']:,} val; "
               f"{meta['truncated_samples']:,} samples truncated, {meta['skipped_samples']:,} skipped (longer than "
