@@ -49,6 +49,7 @@ by each store relative to online KD. Speed rows from short interleaved runs: the
 import argparse
 import contextlib
 import ctypes
+import hashlib
 import json
 import math
 import os
@@ -132,11 +133,15 @@ def settings(pairs):
     return args, "".join("_" + re.sub(r"[^\w.=+-]", "", f"{k}={v}") for k, v in args.items())
 
 
+def file_fingerprint(data):
+    """A data file's entry in meta.json, as data_prep.py writes it (the scripts check the size)."""
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def short_val_copy(data_dir, out, n_tokens):
     """The data with its val split cut to n_tokens (train.bin linked, not copied; meta.json's file
     sizes made the cut ones'): the scripts always end with a whole-split evaluation, which is not
     what a speed run times."""
-    import hashlib
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
@@ -150,7 +155,7 @@ def short_val_copy(data_dir, out, n_tokens):
             with open(os.path.join(data_dir, name), "rb") as f, open(dst, "wb") as g:
                 g.write(data := f.read(n_tokens * itemsize))
             if name in (meta.get("data") or {}):
-                meta["data"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                meta["data"][name] = file_fingerprint(data)
         elif name != "meta.json":
             os.symlink(os.path.abspath(os.path.join(data_dir, name)), dst)
     with open(os.path.join(out, "meta.json"), "w") as f:
@@ -549,7 +554,6 @@ def deploy(opt):
 def small_train_copy(data_dir, out, n_tokens):
     """The data with its train split cut to n_tokens (0: whole), its fingerprint recomputed: a store
     covers every train window, more than a short benchmark trains on."""
-    import hashlib
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
@@ -561,7 +565,7 @@ def small_train_copy(data_dir, out, n_tokens):
             data = f.read(n_tokens * itemsize) if name == "train.bin" and n_tokens else f.read()
         with open(os.path.join(out, name), "wb") as g:
             g.write(data)
-        meta["data"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        meta["data"][name] = file_fingerprint(data)
     for name in (meta.get("tokenizer") or {}).get("files", []):  # the tokenizer travels with the data
         shutil.copy(os.path.join(data_dir, name), os.path.join(out, name))
     with open(os.path.join(out, "meta.json"), "w") as f:
