@@ -134,8 +134,9 @@ class Tokenizer:
     kind is 'sentencepiece', 'hf' or 'tiktoken'; files are the paths that define it (the first is
     the vocabulary itself); bos_id is None when the tokenizer puts no BOS before a text."""
 
-    def __init__(self, kind, files, vocab_size, bos_id, eos_id, encode, decode, specials=()):
+    def __init__(self, kind, files, vocab_size, bos_id, eos_id, encode, decode, specials=(), sha256=None):
         self.kind, self.files, self.vocab_size = kind, files, vocab_size
+        self._sha256 = sha256  # the fingerprint's hash, where not the vocabulary file's own
         self.bos_id, self.eos_id = bos_id, eos_id
         self.encode, self.decode = encode, decode
         # the special tokens' strings, which encode() reads as plain text where a text holds them
@@ -158,8 +159,10 @@ class Tokenizer:
         return ids[len(self._after_newline):]
 
     def fingerprint(self):
-        with open(self.files[0], "rb") as f:
-            sha256 = hashlib.sha256(f.read()).hexdigest()
+        sha256 = self._sha256
+        if sha256 is None:
+            with open(self.files[0], "rb") as f:
+                sha256 = hashlib.sha256(f.read()).hexdigest()
         return dict(kind=self.kind, sha256=sha256, bos_id=self.bos_id, eos_id=self.eos_id, vocab_size=self.vocab_size)
 
     def save(self, out_dir):
@@ -283,6 +286,15 @@ def _hf_tokenizer(path, data):
         tok = HFTokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception for a JSON it cannot read
         raise DataPrepError(f"tokenizer {path} is JSON but not a Hugging Face tokenizer.json ({e})") from None
+    # the fingerprint hashes what the tokenizer is, not how its file was written: save_pretrained
+    # and newer tokenizers versions write the same tokenizer with other spacing, default fields
+    # spelled out and merges as pairs, which a hash of the file would tell apart from the original
+    canonical = json.loads(tok.to_str())
+    for key in ("version", "truncation", "padding"):
+        canonical.pop(key, None)
+    if merges := (canonical.get("model") or {}).get("merges"):
+        canonical["model"]["merges"] = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    sha256 = hashlib.sha256(json.dumps(canonical, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
     tok.encode_special_tokens = True  # "</s>" written in a text is text, not an EOS
     tok.no_truncation()  # a tokenizer.json may carry a saved max_length or padding: documents are never cut or padded
     tok.no_padding()
@@ -311,7 +323,7 @@ def _hf_tokenizer(path, data):
                      bos_id if add_bos else None, eos_id,
                      lambda text: tok.encode(text, add_special_tokens=False).ids,
                      lambda ids: tok.decode(list(ids), skip_special_tokens=False),
-                     [t.content for t in tok.get_added_tokens_decoder().values() if t.special])
+                     [t.content for t in tok.get_added_tokens_decoder().values() if t.special], sha256)
 
 
 def _tiktoken_ranks(data):

@@ -253,6 +253,9 @@ if from_store:
     teacher_init = config["teacher_init"] = store_meta["teacher_init"]
 
 
+model_tokenizers = {}  # init_from's and teacher_init's tokenizer fingerprints, where they record one
+
+
 def load_or_fail(name, path):
     if d := sharded_dir(path):  # only a resume reads shards: a teacher or student is one file here
         fail(f"{name}={path!r} is a sharded checkpoint; convert it with {TO_SINGLE_FILE.format(d)} and give {name}={d + '.pt'!r}")
@@ -267,7 +270,8 @@ def load_or_fail(name, path):
         fail(f"{name}={path!r} holds a converted (integer) model, which does not train; give the checkpoint it was "
              f"converted from (its ckpt.pt)")
     # teacher, student and data must share one tokenizer, or the divergence compares unrelated tokens
-    if data_tokenizer and (theirs := tokenizer_of(path, ckpt, data_tokenizer.get("kind"))) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
+    theirs = model_tokenizers[name] = tokenizer_of(path, ckpt, (data_tokenizer or {}).get("kind"))
+    if data_tokenizer and theirs and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{name}={path!r} was trained with another tokenizer than the data in {data_dir} ({diff}); "
              f"teacher, student and data must share one tokenizer")
     if args.lora_rank:  # a LoRA student of an earlier run: start from its merged weights
@@ -324,6 +328,13 @@ if from_store:  # the stop ids the teacher had when its store was written (a sto
     teacher_args, teacher_state, teacher_stops = None, None, store_meta.get("stop_ids")
 else:
     teacher_args, teacher_state, teacher_stops, _ = load_or_fail("teacher_init", teacher_init)
+# data without a tokenizer fingerprint (made by hand) holds neither model to one: they are held to
+# each other, where both record a tokenizer of the same kind (another kind cannot be compared)
+student_tok, teacher_tok = model_tokenizers.get("init_from"), model_tokenizers.get("teacher_init")
+if (not data_tokenizer and student_tok and teacher_tok and student_tok.get("kind") == teacher_tok.get("kind")
+        and (diff := tokenizer_mismatch(student_tok, teacher_tok))):
+    fail(f"init_from={init_from!r} and teacher_init={teacher_init!r} were trained with different tokenizers ({diff}); "
+         f"teacher and student must share one")
 if init_from == "scratch":  # a student from scratch stops where its teacher does
     if teacher_stops is None and master_process:
         print(f"warning: the store in {teacher_topk_dir} predates recorded stop ids, so this student stops at the data's "

@@ -137,6 +137,29 @@ def test_data_from_another_tokenizer_is_refused(llama32, tmp_path):
     assert r.returncode == 2 and "teacher_init" in r.stderr and "another tokenizer" in r.stderr, r.stderr[-2000:]
 
 
+def test_kd_holds_teacher_and_student_to_one_tokenizer(llama32, tmp_path):
+    hf_dir, data = llama32
+    settings = {**{k: v for k, v in TRAIN.items() if k != "group_size"}, "quantizer": "none", "max_iters": 1}
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
+    # a student whose tokenizer.json was written again (as save_pretrained does: merges as strings,
+    # other spacing) has the data's tokenizer still
+    student = Path(shutil.copytree(hf_dir, tmp_path / "student"))
+    tokenizer["model"]["merges"] = [" ".join(m) for m in tokenizer["model"]["merges"]]
+    (student / "tokenizer.json").write_text(json.dumps(tokenizer, indent=1))
+    run("kd_train.py", init_from=str(student), teacher_init=str(hf_dir), data_dir=str(data), out_dir=str(tmp_path / "k"),
+        **settings)
+    # one with a merge fewer has another, which data made by hand (no tokenizer recorded) does not catch
+    tokenizer["model"]["merges"].pop()
+    (student / "tokenizer.json").write_text(json.dumps(tokenizer))
+    by_hand = Path(shutil.copytree(data, tmp_path / "by_hand"))
+    meta = json.loads((by_hand / "meta.json").read_text())
+    del meta["tokenizer"]
+    (by_hand / "meta.json").write_text(json.dumps(meta))
+    r = run("kd_train.py", check=False, init_from=str(student), teacher_init=str(hf_dir), data_dir=str(by_hand),
+            out_dir=str(tmp_path / "k2"), **settings)
+    assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr[-2000:]
+
+
 def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):
     hf_dir, data = llama32
     out = tmp_path / "out"

@@ -244,6 +244,23 @@ def test_fingerprint_tells_equal_sizes_apart(tmp_path):
     assert tokenizer_mismatch(a.fingerprint(), load_tokenizer(tmp_path / "copy.model").fingerprint()) == ""
 
 
+def test_hf_fingerprint_is_the_tokenizer_not_its_file(tmp_path):
+    # the same tokenizer written as older files and save_pretrained write it: merges as "a b"
+    # strings, other spacing, without the fields left at their defaults
+    original = load_tokenizer(write_hf(tmp_path / "a"))
+    d = json.loads((tmp_path / "a" / "tokenizer.json").read_text())
+    d["model"]["merges"] = [" ".join(m) for m in d["model"]["merges"]]
+    d["model"].pop("ignore_merges")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "b" / "tokenizer.json").write_text(json.dumps(d, indent=4))
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() != (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert tokenizer_mismatch(original.fingerprint(), load_tokenizer(tmp_path / "b").fingerprint()) == ""
+    # one merge fewer is another tokenizer
+    d["model"]["merges"].pop()
+    (tmp_path / "b" / "tokenizer.json").write_text(json.dumps(d))
+    assert tokenizer_mismatch(original.fingerprint(), load_tokenizer(tmp_path / "b").fingerprint()).startswith("sha256 ")
+
+
 def test_unknown_files_are_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("just some text\n")
     (tmp_path / "random.model").write_bytes(bytes(range(256)) * 4)
