@@ -159,11 +159,12 @@ class Tokenizer:
         return ids[len(self._after_newline):]
 
     def fingerprint(self):
-        sha256 = self._sha256
-        if sha256 is None:
-            with open(self.files[0], "rb") as f:
-                sha256 = hashlib.sha256(f.read()).hexdigest()
-        return dict(kind=self.kind, sha256=sha256, bos_id=self.bos_id, eos_id=self.eos_id, vocab_size=self.vocab_size)
+        with open(self.files[0], "rb") as f:
+            file_sha256 = hashlib.sha256(f.read()).hexdigest()
+        sha256 = self._sha256 or file_sha256
+        fp = dict(kind=self.kind, sha256=sha256, bos_id=self.bos_id, eos_id=self.eos_id, vocab_size=self.vocab_size)
+        # the file's own hash too, which fingerprints written before 2026-12-02 hold as their sha256
+        return fp if sha256 == file_sha256 else {**fp, "file_sha256": file_sha256}
 
     def save(self, out_dir):
         """Copy the defining files into out_dir under the names load_tokenizer(out_dir) finds; returns them."""
@@ -175,8 +176,11 @@ class Tokenizer:
 
 
 def tokenizer_mismatch(a, b):
-    """'' when the fingerprints a and b (dicts such as meta.json's "tokenizer") agree, else what differs."""
-    return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in FINGERPRINT_KEYS if a.get(k) != b.get(k))
+    """'' when the fingerprints a and b (dicts such as meta.json's "tokenizer") agree, else what differs.
+    Their hashes agree when any of each one's (the tokenizer's, the file's) match."""
+    hashes = [{f.get("sha256"), f.get("file_sha256")} - {None} for f in (a, b)]
+    return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in FINGERPRINT_KEYS
+                     if (not hashes[0] & hashes[1] if k == "sha256" else a.get(k) != b.get(k)))
 
 
 def load_data_meta(data_dir, block_size):
@@ -288,12 +292,11 @@ def _hf_tokenizer(path, data):
         raise DataPrepError(f"tokenizer {path} is JSON but not a Hugging Face tokenizer.json ({e})") from None
     # the fingerprint hashes what the tokenizer is, not how its file was written: save_pretrained
     # and newer tokenizers versions write the same tokenizer with other spacing, default fields
-    # spelled out and merges as pairs, which a hash of the file would tell apart from the original
+    # spelled out and merges as pairs, which a hash of the file would tell apart from the original.
+    # to_str() writes it again in this tokenizers' own way (merges as pairs from 0.20 on)
     canonical = json.loads(tok.to_str())
     for key in ("version", "truncation", "padding"):
         canonical.pop(key, None)
-    if merges := (canonical.get("model") or {}).get("merges"):
-        canonical["model"]["merges"] = [m if isinstance(m, str) else " ".join(m) for m in merges]
     sha256 = hashlib.sha256(json.dumps(canonical, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
     tok.encode_special_tokens = True  # "</s>" written in a text is text, not an EOS
     tok.no_truncation()  # a tokenizer.json may carry a saved max_length or padding: documents are never cut or padded

@@ -269,8 +269,15 @@ def load_or_fail(name, path):
     if any(type(v) is not torch.Tensor for v in ckpt.get("model", {}).values()):  # torchao's quantized tensors
         fail(f"{name}={path!r} holds a converted (integer) model, which does not train; give the checkpoint it was "
              f"converted from (its ckpt.pt)")
-    # teacher, student and data must share one tokenizer, or the divergence compares unrelated tokens
-    theirs = model_tokenizers[name] = tokenizer_of(path, ckpt, (data_tokenizer or {}).get("kind"))
+    # teacher, student and data must share one tokenizer, or the divergence compares unrelated tokens;
+    # data made by hand names no kind of tokenizer: the teacher's is read of the student's kind
+    try:
+        theirs = tokenizer_of(path, ckpt, (data_tokenizer or model_tokenizers.get("init_from") or {}).get("kind"))
+    except DataPrepError as e:  # a directory whose tokenizer files cannot be read
+        if data_tokenizer:
+            fail(f"{name}={path!r}: {e}")
+        theirs = None  # hand-made data needs no tokenizer, and there is none to hold it to
+    model_tokenizers[name] = theirs
     if data_tokenizer and theirs and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{name}={path!r} was trained with another tokenizer than the data in {data_dir} ({diff}); "
              f"teacher, student and data must share one tokenizer")

@@ -202,7 +202,11 @@ else:
             fail(f"{ckpt_file} holds a converted (integer) model, which does not train; give the checkpoint it was "
                  f"converted from (its ckpt.pt)")
 if init_from != "scratch":
-    if data_tokenizer and (theirs := tokenizer_of(resume_path, ckpt, data_tokenizer.get("kind"))) and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
+    try:
+        theirs = tokenizer_of(resume_path, ckpt, data_tokenizer.get("kind")) if data_tokenizer else None
+    except DataPrepError as e:  # a directory whose tokenizer files cannot be read
+        fail(f"{resume_path}: {e}")
+    if theirs and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{resume_path} was trained with another tokenizer than the data in {data_dir} ({diff}); "
              f"prepare the data with the model's own tokenizer")
     if model_args.lora_rank:  # a LoRA model (from kd_train.py): QAT rounds what it computes, W + BA

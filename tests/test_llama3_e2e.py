@@ -135,6 +135,12 @@ def test_data_from_another_tokenizer_is_refused(llama32, tmp_path):
             data_dir=str(other), out_dir=str(tmp_path / "k"),
             **{**{k: v for k, v in TRAIN.items() if k != "group_size"}, "quantizer": "none"})
     assert r.returncode == 2 and "teacher_init" in r.stderr and "another tokenizer" in r.stderr, r.stderr[-2000:]
+    # a model directory whose tokenizer cannot be read (no config names its EOS) is one line too
+    unreadable = Path(shutil.copytree(hf_dir, tmp_path / "unreadable"))
+    (unreadable / "tokenizer_config.json").unlink()
+    r = run("qat_train.py", check=False, init_from=str(unreadable), data_dir=str(llama32[1]), out_dir=str(tmp_path / "u"),
+            **TRAIN)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and "eos_token" in r.stderr
 
 
 def test_kd_holds_teacher_and_student_to_one_tokenizer(llama32, tmp_path):
@@ -158,6 +164,15 @@ def test_kd_holds_teacher_and_student_to_one_tokenizer(llama32, tmp_path):
     r = run("kd_train.py", check=False, init_from=str(student), teacher_init=str(hf_dir), data_dir=str(by_hand),
             out_dir=str(tmp_path / "k2"), **settings)
     assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr[-2000:]
+    # a teacher whose tokenizer cannot be read (no config names its EOS): one line against data that
+    # records a tokenizer, nothing to hold it to on data made by hand, which needs none
+    teacher = Path(shutil.copytree(hf_dir, tmp_path / "teacher"))
+    (teacher / "tokenizer_config.json").unlink()
+    r = run("kd_train.py", check=False, init_from=str(hf_dir), teacher_init=str(teacher), data_dir=str(data),
+            out_dir=str(tmp_path / "k3"), **settings)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: teacher_init=") and "eos_token" in r.stderr
+    run("kd_train.py", init_from=str(student), teacher_init=str(teacher), data_dir=str(by_hand), out_dir=str(tmp_path / "k4"),
+        **settings)
 
 
 def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):

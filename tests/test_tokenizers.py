@@ -1,5 +1,6 @@
 """Each tokenizer kind built tiny and offline, prepared data decoded back, and the loader's refusals."""
 import base64
+import hashlib
 import json
 import shutil
 import sys
@@ -255,10 +256,25 @@ def test_hf_fingerprint_is_the_tokenizer_not_its_file(tmp_path):
     (tmp_path / "b" / "tokenizer.json").write_text(json.dumps(d, indent=4))
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() != (tmp_path / "b" / "tokenizer.json").read_bytes()
     assert tokenizer_mismatch(original.fingerprint(), load_tokenizer(tmp_path / "b").fingerprint()) == ""
+    # a fingerprint written before 2026-12-02 holds the file's hash, which still matches it
+    before = {**original.fingerprint(), "sha256": hashlib.sha256((tmp_path / "a" / "tokenizer.json").read_bytes()).hexdigest()}
+    del before["file_sha256"]
+    assert before["sha256"] != original.fingerprint()["sha256"] and tokenizer_mismatch(before, original.fingerprint()) == ""
     # one merge fewer is another tokenizer
     d["model"]["merges"].pop()
     (tmp_path / "b" / "tokenizer.json").write_text(json.dumps(d))
     assert tokenizer_mismatch(original.fingerprint(), load_tokenizer(tmp_path / "b").fingerprint()).startswith("sha256 ")
+    # and so is one whose merges differ only in where a space sits inside them
+    fingerprints = []
+    for merge in (("a ", "b"), ("a", " b")):
+        vocab = {"a": 0, " ": 1, "b": 2, "a ": 3, " b": 4, "a b": 5, "</s>": 6}
+        tok = HFTokenizer(models.BPE(vocab, [("a", " "), (" ", "b"), merge]))
+        folder = tmp_path / f"space{len(fingerprints)}"
+        folder.mkdir()
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+        fingerprints.append(load_tokenizer(folder).fingerprint())
+    assert tokenizer_mismatch(*fingerprints).startswith("sha256 ")
 
 
 def test_unknown_files_are_refused(tmp_path):
