@@ -270,7 +270,7 @@ def load_or_fail(name, path):
         fail(f"{name}={path!r} holds a converted (integer) model, which does not train; give the checkpoint it was "
              f"converted from (its ckpt.pt)")
     # teacher, student and data must share one tokenizer, or the divergence compares unrelated tokens;
-    # data made by hand names no kind of tokenizer: the teacher's is read of the student's kind
+    # data made by hand names no kind of tokenizer: the teacher's is read in the student's kind
     try:
         theirs = tokenizer_of(path, ckpt, (data_tokenizer or model_tokenizers.get("init_from") or {}).get("kind"))
     except DataPrepError as e:  # a directory whose tokenizer files cannot be read
