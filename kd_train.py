@@ -26,7 +26,7 @@ The store (teacher_topk_dir, default data_dir/teacher_topk) holds ids.bin (uint1
 65536 tokens) and logprobs.bin (float16), both (train windows * block_size, k) with row
 w * block_size + t the target t of window w, as get_batch cuts it; done.bin (one byte per group
 of batch_size windows written); meta.json (k, temperature, the teacher's path and a digest of its
-files, the dtype it ran in, data and tokenizer fingerprints, windows done, the teacher's val loss, and "complete", set
+files, the dtype it ran in, data and tokenizer fingerprints (the teacher's own too), its stop ids, windows done, the teacher's val loss, and "complete", set
 last). 4k bytes a token (6k with uint32 ids). float16 rather than bfloat16: for log-probs in [-32, 0], where the mass is,
 float16's 11-bit mantissa rounds a probability by < 0.8% and bfloat16's 8 bits by up to 6%, and
 float16's range (down to -65504) is no limit for log-probs. They are the teacher's at the writing
@@ -254,6 +254,7 @@ if from_store:
 
 
 model_tokenizers = {}  # init_from's and teacher_init's tokenizer fingerprints, where they record one
+model_sources = {}  # and (path, loaded checkpoint) of each, to read a directory's tokenizer in another kind
 
 
 def load_or_fail(name, path):
@@ -277,7 +278,7 @@ def load_or_fail(name, path):
         if data_tokenizer:
             fail(f"{name}={path!r}: {e}")
         theirs = None  # hand-made data needs no tokenizer, and there is none to hold it to
-    model_tokenizers[name] = theirs
+    model_tokenizers[name], model_sources[name] = theirs, (path, ckpt)
     if data_tokenizer and theirs and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{name}={path!r} was trained with another tokenizer than the data in {data_dir} ({diff}); "
              f"teacher, student and data must share one tokenizer")
@@ -336,8 +337,16 @@ if from_store:  # the stop ids the teacher had when its store was written (a sto
 else:
     teacher_args, teacher_state, teacher_stops, _ = load_or_fail("teacher_init", teacher_init)
 # data without a tokenizer fingerprint (made by hand) holds neither model to one: they are held to
-# each other, where both record a tokenizer of the same kind (another kind cannot be compared)
-student_tok, teacher_tok = model_tokenizers.get("init_from"), model_tokenizers.get("teacher_init")
+# each other (a store's teacher by the fingerprint the store recorded), where both have a tokenizer of
+# one kind; an HF directory often holds two (tokenizer.json and .model): the student's is read again
+# in the teacher's kind. Tokenizers of two kinds cannot be compared
+student_tok = model_tokenizers.get("init_from")
+teacher_tok = store_meta.get("teacher_tokenizer") if from_store else model_tokenizers.get("teacher_init")
+if not data_tokenizer and student_tok and teacher_tok and student_tok.get("kind") != teacher_tok.get("kind"):
+    try:
+        student_tok = tokenizer_of(*model_sources["init_from"], teacher_tok.get("kind"))
+    except DataPrepError:
+        pass  # no readable file of the teacher's kind: nothing to compare
 if (not data_tokenizer and student_tok and teacher_tok and student_tok.get("kind") == teacher_tok.get("kind")
         and (diff := tokenizer_mismatch(student_tok, teacher_tok))):
     fail(f"init_from={init_from!r} and teacher_init={teacher_init!r} were trained with different tokenizers ({diff}); "
@@ -994,7 +1003,8 @@ def write_topk():
     dist.barrier()
     with open(store_meta_path) as f:
         store_meta = json.load(f)
-    store_meta["stop_ids"] = teacher_stops  # written with the progress (a resumed old store's too)
+    # written with the progress (a resumed old store's too): what a student from it needs of its teacher
+    store_meta.update(stop_ids=teacher_stops, teacher_tokenizer=model_tokenizers.get("teacher_init"))
     todo = np.flatnonzero(np.fromfile(done_path, dtype=np.uint8) == 0)
     dist.barrier()  # every process has read done.bin before any writes to it, so all deal the same groups
     n_rounds = math.ceil(len(todo) / world_size)

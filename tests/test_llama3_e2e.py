@@ -164,6 +164,23 @@ def test_kd_holds_teacher_and_student_to_one_tokenizer(llama32, tmp_path):
     r = run("kd_train.py", check=False, init_from=str(student), teacher_init=str(hf_dir), data_dir=str(by_hand),
             out_dir=str(tmp_path / "k2"), **settings)
     assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr[-2000:]
+    # a student directory holding a tokenizer.model too (HF directories often hold both kinds) is read
+    # again in the teacher's kind, and refused the same
+    write_sentencepiece(student / "tokenizer.model")
+    r = run("kd_train.py", check=False, init_from=str(student), teacher_init=str(hf_dir), data_dir=str(by_hand),
+            out_dir=str(tmp_path / "k2"), **settings)
+    assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr[-2000:]
+    (student / "tokenizer.model").unlink()
+    # a teacher's top-k store written from data made by hand records the teacher's tokenizer, and
+    # holds a student to it
+    store = str(tmp_path / "store")
+    run("kd_train.py", teacher_init=str(hf_dir), data_dir=str(by_hand), out_dir=str(tmp_path / "w"), topk_write=True,
+        teacher_topk_dir=store, teacher_topk=8, block_size=settings["block_size"], batch_size=settings["batch_size"])
+    r = run("kd_train.py", check=False, init_from=str(student), teacher_topk_dir=store, data_dir=str(by_hand),
+            out_dir=str(tmp_path / "k5"), **settings)
+    assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr[-2000:]
+    run("kd_train.py", init_from=str(hf_dir), teacher_topk_dir=store, data_dir=str(by_hand), out_dir=str(tmp_path / "k6"),
+        **settings)
     # a teacher whose tokenizer cannot be read (no config names its EOS): one line against data that
     # records a tokenizer, nothing to hold it to on data made by hand, which needs none
     teacher = Path(shutil.copytree(hf_dir, tmp_path / "teacher"))
