@@ -253,8 +253,21 @@ if from_store:
     teacher_init = config["teacher_init"] = store_meta["teacher_init"]
 
 
-model_tokenizers = {}  # init_from's and teacher_init's tokenizer fingerprints, where they record one
-model_sources = {}  # and (path, loaded checkpoint) of each, to read a directory's tokenizer in another kind
+model_sources = {}  # init_from's and teacher_init's (path, loaded checkpoint), to read their tokenizers from
+
+
+def tokenizers_of(name):
+    """The fingerprints of the tokenizer init_from or teacher_init was trained with, by kind: a
+    checkpoint records one, an HF directory often holds two files (tokenizer.json, tokenizer.model),
+    each read here. A file that cannot be read gives none."""
+    found = {}
+    for kind in ("hf", "sentencepiece"):  # each file: tokenizer_of reads the one of the kind named first
+        try:
+            if fingerprint := tokenizer_of(*model_sources[name], kind):
+                found.setdefault(fingerprint["kind"], fingerprint)
+        except DataPrepError:
+            pass
+    return found
 
 
 def load_or_fail(name, path):
@@ -270,16 +283,14 @@ def load_or_fail(name, path):
     if any(type(v) is not torch.Tensor for v in ckpt.get("model", {}).values()):  # torchao's quantized tensors
         fail(f"{name}={path!r} holds a converted (integer) model, which does not train; give the checkpoint it was "
              f"converted from (its ckpt.pt)")
-    # teacher, student and data must share one tokenizer, or the divergence compares unrelated tokens;
-    # data made by hand names no kind of tokenizer: the teacher's is read in the student's kind
+    # teacher, student and data must share one tokenizer, or the divergence compares unrelated tokens
+    # (data made by hand records none: teacher and student are held to each other below)
+    model_sources[name] = (path, ckpt)
     try:
-        theirs = tokenizer_of(path, ckpt, (data_tokenizer or model_tokenizers.get("init_from") or {}).get("kind"))
+        theirs = tokenizer_of(path, ckpt, data_tokenizer["kind"]) if data_tokenizer else None
     except DataPrepError as e:  # a directory whose tokenizer files cannot be read
-        if data_tokenizer:
-            fail(f"{name}={path!r}: {e}")
-        theirs = None  # hand-made data needs no tokenizer, and there is none to hold it to
-    model_tokenizers[name], model_sources[name] = theirs, (path, ckpt)
-    if data_tokenizer and theirs and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
+        fail(f"{name}={path!r}: {e}")
+    if theirs and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{name}={path!r} was trained with another tokenizer than the data in {data_dir} ({diff}); "
              f"teacher, student and data must share one tokenizer")
     if args.lora_rank:  # a LoRA student of an earlier run: start from its merged weights
@@ -337,20 +348,18 @@ if from_store:  # the stop ids the teacher had when its store was written (a sto
 else:
     teacher_args, teacher_state, teacher_stops, _ = load_or_fail("teacher_init", teacher_init)
 # data without a tokenizer fingerprint (made by hand) holds neither model to one: they are held to
-# each other (a store's teacher by the fingerprint the store recorded), where both have a tokenizer of
-# one kind; an HF directory often holds two (tokenizer.json and .model): the student's is read again
-# in the teacher's kind. Tokenizers of two kinds cannot be compared
-student_tok = model_tokenizers.get("init_from")
-teacher_tok = store_meta.get("teacher_tokenizer") if from_store else model_tokenizers.get("teacher_init")
-if not data_tokenizer and student_tok and teacher_tok and student_tok.get("kind") != teacher_tok.get("kind"):
-    try:
-        student_tok = tokenizer_of(*model_sources["init_from"], teacher_tok.get("kind"))
-    except DataPrepError:
-        pass  # no readable file of the teacher's kind: nothing to compare
-if (not data_tokenizer and student_tok and teacher_tok and student_tok.get("kind") == teacher_tok.get("kind")
-        and (diff := tokenizer_mismatch(student_tok, teacher_tok))):
-    fail(f"init_from={init_from!r} and teacher_init={teacher_init!r} were trained with different tokenizers ({diff}); "
-         f"teacher and student must share one")
+# each other (a store's teacher by the fingerprints the store recorded) in every kind both have;
+# tokenizers of two kinds cannot be compared
+if not data_tokenizer and "init_from" in model_sources and (student_toks := tokenizers_of("init_from")):
+    teacher_toks = store_meta.get("teacher_tokenizers") if from_store else tokenizers_of("teacher_init")
+    if teacher_toks is None and master_process:
+        print(f"warning: the store in {teacher_topk_dir} predates recorded teacher tokenizers, and the data records "
+              f"none, so nothing holds the student to the teacher's tokenizer; rerun the store's topk_write command to record it")
+    for kind in student_toks.keys() & (teacher_toks or {}).keys():
+        if diff := tokenizer_mismatch(student_toks[kind], teacher_toks[kind]):
+            teacher = f"the teacher of the store in {teacher_topk_dir}" if from_store else f"teacher_init={teacher_init!r}"
+            fail(f"init_from={init_from!r} and {teacher} were trained with different tokenizers ({diff}); "
+                 f"teacher and student must share one")
 if init_from == "scratch":  # a student from scratch stops where its teacher does
     if teacher_stops is None and master_process:
         print(f"warning: the store in {teacher_topk_dir} predates recorded stop ids, so this student stops at the data's "
@@ -402,12 +411,13 @@ if topk_write:
              f"finish it, or give another teacher_topk_dir")
     if store_meta is not None and store_meta["complete"]:
         if master_process:
-            if "stop_ids" not in store_meta:  # a store from before they were recorded: recorded now
-                store_meta["stop_ids"] = teacher_stops
+            # a store from before they were recorded: recorded now (its teacher's digest matched above)
+            if "stop_ids" not in store_meta or "teacher_tokenizers" not in store_meta:
+                store_meta.update(stop_ids=teacher_stops, teacher_tokenizers=tokenizers_of("teacher_init"))
                 try:
                     write_store_meta()
-                except OSError as e:  # a read-only store, say: it still trains, its students without them
-                    print(f"warning: could not record the teacher's stop ids in {store_meta_path}: {e}")
+                except OSError as e:  # a read-only store, say: it still trains, its students unchecked
+                    print(f"warning: could not record the teacher's stop ids and tokenizer in {store_meta_path}: {e}")
             print(f"the store in {teacher_topk_dir} is complete; nothing to write")
         sys.exit(0)
 try:
@@ -1004,7 +1014,7 @@ def write_topk():
     with open(store_meta_path) as f:
         store_meta = json.load(f)
     # written with the progress (a resumed old store's too): what a student from it needs of its teacher
-    store_meta.update(stop_ids=teacher_stops, teacher_tokenizer=model_tokenizers.get("teacher_init"))
+    store_meta.update(stop_ids=teacher_stops, teacher_tokenizers=tokenizers_of("teacher_init"))
     todo = np.flatnonzero(np.fromfile(done_path, dtype=np.uint8) == 0)
     dist.barrier()  # every process has read done.bin before any writes to it, so all deal the same groups
     n_rounds = math.ceil(len(todo) / world_size)

@@ -171,16 +171,27 @@ def test_kd_holds_teacher_and_student_to_one_tokenizer(llama32, tmp_path):
             out_dir=str(tmp_path / "k2"), **settings)
     assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr[-2000:]
     (student / "tokenizer.model").unlink()
-    # a teacher's top-k store written from data made by hand records the teacher's tokenizer, and
-    # holds a student to it
-    store = str(tmp_path / "store")
-    run("kd_train.py", teacher_init=str(hf_dir), data_dir=str(by_hand), out_dir=str(tmp_path / "w"), topk_write=True,
-        teacher_topk_dir=store, teacher_topk=8, block_size=settings["block_size"], batch_size=settings["batch_size"])
-    r = run("kd_train.py", check=False, init_from=str(student), teacher_topk_dir=store, data_dir=str(by_hand),
-            out_dir=str(tmp_path / "k5"), **settings)
+    # a teacher's top-k store written from data made by hand records the teacher's tokenizer in each
+    # kind its directory holds, and holds a student to it
+    two_kinds = Path(shutil.copytree(hf_dir, tmp_path / "two_kinds"))
+    write_sentencepiece(two_kinds / "tokenizer.model")
+    store = tmp_path / "store"
+    write = dict(teacher_init=str(two_kinds), data_dir=str(by_hand), out_dir=str(tmp_path / "w"), topk_write=True,
+                 teacher_topk_dir=str(store), teacher_topk=8, block_size=settings["block_size"], batch_size=settings["batch_size"])
+    run("kd_train.py", **write)
+    learn = dict(settings, teacher_topk_dir=str(store), data_dir=str(by_hand))
+    r = run("kd_train.py", check=False, init_from=str(student), out_dir=str(tmp_path / "k5"), **learn)
+    assert r.returncode == 2 and "different tokenizers" in r.stderr and "the teacher of the store" in r.stderr, r.stderr[-2000:]
+    run("kd_train.py", init_from=str(hf_dir), out_dir=str(tmp_path / "k6"), **learn)
+    # a store from before they were recorded says so, and its write command, run again, records them
+    meta = json.loads((store / "meta.json").read_text())
+    del meta["teacher_tokenizers"]
+    (store / "meta.json").write_text(json.dumps(meta))
+    r = run("kd_train.py", init_from=str(student), out_dir=str(tmp_path / "k7"), **learn)
+    assert "predates recorded teacher tokenizers" in r.stdout, r.stdout[-2000:]
+    run("kd_train.py", **write)
+    r = run("kd_train.py", check=False, init_from=str(student), out_dir=str(tmp_path / "k8"), **learn)
     assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr[-2000:]
-    run("kd_train.py", init_from=str(hf_dir), teacher_topk_dir=store, data_dir=str(by_hand), out_dir=str(tmp_path / "k6"),
-        **settings)
     # a teacher whose tokenizer cannot be read (no config names its EOS): one line against data that
     # records a tokenizer, nothing to hold it to on data made by hand, which needs none
     teacher = Path(shutil.copytree(hf_dir, tmp_path / "teacher"))
