@@ -265,7 +265,7 @@ def tokenizers_of(name):
         try:
             if fingerprint := tokenizer_of(*model_sources[name], kind):
                 found.setdefault(fingerprint["kind"], fingerprint)
-        except DataPrepError:
+        except (DataPrepError, OSError, ValueError):
             pass
     return found
 
@@ -348,15 +348,16 @@ if from_store:  # the stop ids the teacher had when its store was written (a sto
 else:
     teacher_args, teacher_state, teacher_stops, _ = load_or_fail("teacher_init", teacher_init)
 # data without a tokenizer fingerprint (made by hand) holds neither model to one: they are held to
-# each other (a store's teacher by the fingerprints the store recorded) in every kind both have;
+# each other (a store's teacher by the fingerprints the store recorded) in a kind both have,
+# tokenizer.json first (what transformers and data_prep.py read from an HF directory holding both);
 # tokenizers of two kinds cannot be compared
 if not data_tokenizer and "init_from" in model_sources and (student_toks := tokenizers_of("init_from")):
     teacher_toks = store_meta.get("teacher_tokenizers") if from_store else tokenizers_of("teacher_init")
     if teacher_toks is None and master_process:
         print(f"warning: the store in {teacher_topk_dir} predates recorded teacher tokenizers, and the data records "
               f"none, so nothing holds the student to the teacher's tokenizer; rerun the store's topk_write command to record it")
-    for kind in student_toks.keys() & (teacher_toks or {}).keys():
-        if diff := tokenizer_mismatch(student_toks[kind], teacher_toks[kind]):
+    if kinds := sorted(student_toks.keys() & (teacher_toks or {}).keys(), key=lambda kind: (kind != "hf", kind)):
+        if diff := tokenizer_mismatch(student_toks[kinds[0]], teacher_toks[kinds[0]]):
             teacher = f"the teacher of the store in {teacher_topk_dir}" if from_store else f"teacher_init={teacher_init!r}"
             fail(f"init_from={init_from!r} and {teacher} were trained with different tokenizers ({diff}); "
                  f"teacher and student must share one")
