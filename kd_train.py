@@ -353,14 +353,16 @@ else:
 # tokenizers of two kinds cannot be compared
 if not data_tokenizer and "init_from" in model_sources and (student_toks := tokenizers_of("init_from")):
     teacher_toks = store_meta.get("teacher_tokenizers") if from_store else tokenizers_of("teacher_init")
-    if teacher_toks is None and master_process:
-        print(f"warning: the store in {teacher_topk_dir} predates recorded teacher tokenizers, and the data records "
-              f"none, so nothing holds the student to the teacher's tokenizer; rerun the store's topk_write command to record it")
-    if kinds := sorted(student_toks.keys() & (teacher_toks or {}).keys(), key=lambda kind: (kind != "hf", kind)):
-        if diff := tokenizer_mismatch(student_toks[kinds[0]], teacher_toks[kinds[0]]):
-            teacher = f"the teacher of the store in {teacher_topk_dir}" if from_store else f"teacher_init={teacher_init!r}"
-            fail(f"init_from={init_from!r} and {teacher} were trained with different tokenizers ({diff}); "
-                 f"teacher and student must share one")
+    kinds = sorted(student_toks.keys() & (teacher_toks or {}).keys(), key=lambda kind: (kind != "hf", kind))
+    teacher = f"the teacher of the store in {teacher_topk_dir}" if from_store else f"teacher_init={teacher_init!r}"
+    if kinds and (diff := tokenizer_mismatch(student_toks[kinds[0]], teacher_toks[kinds[0]])):
+        fail(f"init_from={init_from!r} and {teacher} were trained with different tokenizers ({diff}); "
+             f"teacher and student must share one")
+    if not kinds and master_process:
+        why = ("the store predates recorded teacher tokenizers (rerun its topk_write command to record them)"
+               if teacher_toks is None else f"{teacher} has no readable tokenizer of the student's kind")
+        print(f"warning: the data in {data_dir} records no tokenizer and {why}, so nothing holds the student to the "
+              f"teacher's tokenizer")
 if init_from == "scratch":  # a student from scratch stops where its teacher does
     if teacher_stops is None and master_process:
         print(f"warning: the store in {teacher_topk_dir} predates recorded stop ids, so this student stops at the data's "
