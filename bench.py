@@ -98,10 +98,33 @@ def summary(records):
     return next(r for r in reversed(records) if "fp_val_loss" in r)
 
 
+def quantized(records, method, out_dir):
+    """The summary of a QAT or QAD run, which must have ended under fake quant: one whose settings
+    left it off at the last step converted its weights as PTQ, and is no figure of the method."""
+    s = summary(records)
+    if s.get("method") != method:
+        sys.exit(f"bench: the run in {out_dir} converted as {s.get('method')!r}, not {method!r}: its settings left fake "
+                 f"quant off at its last step; drop the --qat_set / --qad_set that does")
+    return s
+
+
+# what a run computes beyond its arguments: the scripts and the modules they import
+CODE_FILES = ("qat_train.py", "kd_train.py", "model.py", "checkpoint.py", "data_prep.py", "configurator.py")
+
+
+def code_digest():
+    h = hashlib.sha256()
+    for name in CODE_FILES:
+        with open(os.path.join(HERE, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
 def run_once(script, args, out_dir, nproc=1, quiet=True):
     """run(), unless out_dir holds a finished run of exactly these arguments, input checkpoints and data:
     the plain finetunes and PTQ evaluations are then shared by every QAT/QAD setting compared
-    against them, and a base trained again differently is not mistaken for the one they started from."""
+    against them, and a base trained again differently is not mistaken for the one they started from.
+    A run made by other code (CODE_FILES changed since) is reused, and said to be."""
     stamp, log_path = os.path.join(out_dir, "bench_args.json"), os.path.join(out_dir, "log.jsonl")
     inputs = {k: checkpoint_digest(args[k]) for k in ("init_from", "teacher_init") if os.path.exists(str(args.get(k, "")))}
     # and the data's fingerprints: data prepared again in place is other data under the same path
@@ -110,18 +133,21 @@ def run_once(script, args, out_dir, nproc=1, quiet=True):
     key = json.loads(json.dumps({"script": script, "nproc": nproc, **args, "input_digests": inputs, "data": data}))
     if os.path.exists(stamp) and os.path.exists(log_path):
         with open(stamp) as f:
-            if json.load(f) == key:
-                with open(log_path) as g:
-                    records = [json.loads(line) for line in g]
-                if any("fp_val_loss" in r for r in records):
-                    print(f"  {script} {out_dir}: reused")
-                    return records
+            stamped = json.load(f)
+        code = stamped.pop("code", None)  # stamps from before it was recorded have none
+        if stamped == key:
+            with open(log_path) as g:
+                records = [json.loads(line) for line in g]
+            if any("fp_val_loss" in r for r in records):
+                print(f"  {script} {out_dir}: reused" + ("" if code == code_digest() else
+                      ", though run by other code than this checkout's (remove the directory to run it again)"))
+                return records
     if os.path.exists(stamp):
         print(f"  bench: {out_dir} holds a run of other arguments; it is rerun over (name the setting apart to keep both)")
         os.remove(stamp)
     records = run(script, args, out_dir, nproc, quiet)
     with open(stamp, "w") as f:
-        json.dump(key, f)
+        json.dump({**key, "code": code_digest()}, f)
     return records
 
 
@@ -304,6 +330,8 @@ def quality(opt):
     learned = ["range_learning=True"] * bool(opt.range_learning)  # named, so that its runs never land on the others
     qat_set, qat_name = settings(learned + opt.qat_set)
     qad_set, qad_name = settings(learned + opt.qad_set + [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base"))
+    if any(kv.startswith("teacher_init=") for kv in opt.qad_set):  # bench sets it, from --qad_teacher
+        sys.exit("bench: --qad_set teacher_init=... is not read; choose QAD's teacher with --qad_teacher base or plain")
     methods = opt.methods.split(",")
     if unknown := set(methods) - {"qat", "qad", "none"}:
         sys.exit(f"bench: --methods {opt.methods!r} names {sorted(unknown)}; use qat, qad, both (qat,qad) or none")
@@ -321,14 +349,15 @@ def quality(opt):
                                    os.path.join(out, f"s{seed}_ptq_{s}{quant_name}"), opt.nproc))
             r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"]}
             if "qat" in methods:
-                qat = summary(run_once("qat_train.py", {**ft, **q, "seed": seed, **qat_set},
-                                       os.path.join(out, f"s{seed}_qat_{s}{quant_name}{qat_name}"), opt.nproc, quiet=False))
+                qat_dir = os.path.join(out, f"s{seed}_qat_{s}{quant_name}{qat_name}")
+                qat = quantized(run_once("qat_train.py", {**ft, **q, "seed": seed, **qat_set}, qat_dir, opt.nproc, quiet=False),
+                                "qat", qat_dir)
                 r.update(qat=qat["quant_val_loss"], fp_qat=qat["fp_val_loss"])
             if "qad" in methods:
-                qad = summary(run_once("kd_train.py", {**ft, **q, "seed": seed, "kd_ratio": opt.qad_kd_ratio, "kd_temperature":
-                                                       opt.qad_kd_temperature, **qad_set,
-                                                       "teacher_init": teacher},
-                                       os.path.join(out, f"s{seed}_qad_{s}{quant_name}{qad_name}"), opt.nproc, quiet=False))
+                qad_dir = os.path.join(out, f"s{seed}_qad_{s}{quant_name}{qad_name}")
+                qad = quantized(run_once("kd_train.py", {**ft, **q, "seed": seed, "kd_ratio": opt.qad_kd_ratio, "kd_temperature":
+                                                         opt.qad_kd_temperature, **qad_set, "teacher_init": teacher},
+                                         qad_dir, opt.nproc, quiet=False), "qad", qad_dir)
                 r.update(qad=qad["quant_val_loss"], fp_qad=qad["fp_val_loss"])
             runs[s].append({k: math.exp(v) for k, v in r.items()})
             print("  " + s + ": ppl " + "  ".join(f"{k} {v:.3f}" for k, v in runs[s][-1].items()))

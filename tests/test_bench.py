@@ -69,6 +69,15 @@ def test_quality_report(tmp_path):
     bench("quality", "--data_dir", data, "--out_dir", str(out), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
           "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "qat", "--range_learning", "1")
     assert read_log(q / "s0_qat_8da2w_range_learning=True")[-1]["method"] == "qat"
+    # a setting that leaves fake quant off at the end makes PTQ of the run, which is no QAT figure;
+    # a teacher named in --qad_set would not be the one bench gives
+    for setting, says in (("--qat_set=fake_quant_after_n_steps=5", "converted as 'ptq', not 'qat'"),
+                          ("--qad_set=teacher_init=x", "--qad_set teacher_init=... is not read")):
+        r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "quality", "--data_dir", data, "--out_dir", str(out),
+                            *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"), "--ft_iters", "2", "--kd_iters", "0",
+                            "--seeds", "1", "--schemes", "8da2w", setting], cwd=ROOT, env=script_env(),
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode != 0 and says in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert (q / "s0_qat_8da2w" / "log.jsonl").read_text() == first
     # a reference finetune that ends worse than its base (here a learning rate that wrecks it) is named
     bench("quality", "--data_dir", data, "--out_dir", str(tmp_path / "hot"), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
@@ -130,7 +139,7 @@ def test_memory_plan_activations_match_what_autograd_saves():
     assert one["parameters"] == 4 * sum(p.numel() for p in __import__("model").Transformer(args).parameters())
 
 
-def test_run_once_reruns_on_data_prepared_again(tmp_path, monkeypatch):
+def test_run_once_reruns_on_data_prepared_again(tmp_path, monkeypatch, capsys):
     # the reuse key holds the data's fingerprints, not only its path: data prepared again in place
     # would otherwise pair an old plain finetune's loss with a new QAT run's
     sys.path.insert(0, str(ROOT))
@@ -150,5 +159,10 @@ def test_run_once_reruns_on_data_prepared_again(tmp_path, monkeypatch):
     args = {"data_dir": str(data), "max_iters": 1}
     first = bench_module.run_once("qat_train.py", args, str(tmp_path / "out"))
     assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out")) == first and len(calls) == 1  # reused
+    assert "run by other code" not in capsys.readouterr().out
+    # a run made by other scripts is reused, and said to be
+    monkeypatch.setattr(bench_module, "code_digest", lambda: "other")
+    assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out")) == first and len(calls) == 1
+    assert "reused, though run by other code" in capsys.readouterr().out
     make_data(tmp_path / "data", val_tokens=1024, seed=5)  # the same path, other tokens
     assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out"))[0]["fp_val_loss"] == 2.0 and len(calls) == 2
