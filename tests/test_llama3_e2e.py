@@ -164,8 +164,8 @@ def test_kd_holds_teacher_and_student_to_one_tokenizer(llama32, tmp_path):
     r = run("kd_train.py", check=False, init_from=str(student), teacher_init=str(hf_dir), data_dir=str(by_hand),
             out_dir=str(tmp_path / "k2"), **settings)
     assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr[-2000:]
-    # a student directory holding a tokenizer.model too (HF directories often hold both kinds) is read
-    # again in the teacher's kind, and refused the same
+    # a student directory holding a tokenizer.model too (HF directories often hold both kinds) is
+    # compared in the kind the teacher has, and refused the same
     write_sentencepiece(student / "tokenizer.model")
     r = run("kd_train.py", check=False, init_from=str(student), teacher_init=str(hf_dir), data_dir=str(by_hand),
             out_dir=str(tmp_path / "k2"), **settings)
