@@ -689,6 +689,10 @@ def kd(opt):
 
 
 def write(opt, name, report, data):
+    """The report as NAME_TAG.md and .json, TAG a digest of the options: a second run of other options
+    (schemes, seeds, a base, a learning rate) in the same out_dir writes beside the first, not over it."""
+    tag = hashlib.sha256(json.dumps({k: v for k, v in vars(opt).items() if k != "out_dir"}, sort_keys=True).encode())
+    name = f"{name}_{tag.hexdigest()[:8]}"
     os.makedirs(opt.out_dir, exist_ok=True)
     with open(os.path.join(opt.out_dir, f"{name}.md"), "w") as f:
         f.write(report)

@@ -21,12 +21,19 @@ def bench(*args):
     return r.stdout
 
 
+def report(out, name, ext="json"):
+    """The one report NAME_TAG.EXT in out (TAG: a digest of the run's options)."""
+    found = sorted(out.glob(f"{name}_????????.{ext}"))
+    assert len(found) == 1, found
+    return json.load(open(found[0])) if ext == "json" else found[0].read_text()
+
+
 def test_speed_report(tmp_path):
     data = make_data(tmp_path / "data")
     out = tmp_path / "out"
     text = bench("speed", "--data_dir", data, "--out_dir", str(out), *SMALL, "--dtypes", "float32",
                  "--compile", "0", "--rounds", "1", "--steps", "2", "--warmup", "1", "--peak_flops", "1e11")
-    res = json.load(open(out / "speed.json"))["results"]
+    res = report(out, "speed")["results"]
     assert [r["step"] for r in res] == ["plain", "qat", "kd", "qad"]
     plain = res[0]
     assert plain["ratio_to_plain"] == 1.0
@@ -38,7 +45,7 @@ def test_speed_report(tmp_path):
         # MFU is the script's own, against the given peak: FLOPs per token x tokens/s / 1e11
         assert 0 < r["mfu"] < 1
     assert "| float32 | eager | qat |" in text
-    assert (out / "speed.md").read_text().count("\n|") == 6  # header, rule, four rows
+    assert report(out, "speed", "md").count("\n|") == 6  # header, rule, four rows
     # the KD step's bound, measured: plain step + one teacher forward, beside the KD row's ratio
     note = re.search(r"- float32: one teacher forward.* ([0-9.]+) ms; plain step \+ it = ([0-9.]+)x plain, "
                      r"the eager KD step ([0-9.]+)x", text)
@@ -52,7 +59,8 @@ def test_quality_report(tmp_path):
     out = tmp_path / "out"
     bench("quality", "--data_dir", data, "--out_dir", str(out), *SMALL, "--student_preset", "toy",
           "--base_iters", "6", "--ft_iters", "2", "--kd_iters", "2", "--seeds", "1", "--schemes", "8da2w")
-    res = json.load(open(out / "quality.json"))
+    res = report(out, "quality")
+    first_report, = out.glob("quality_????????.json")
     s = res["schemes"]["8da2w"]
     run = s["runs"][0]
     fp, ptq, qat, qad = run["fp"], run["ptq"], run["qat"], run["qad"]
@@ -62,7 +70,7 @@ def test_quality_report(tmp_path):
     kd = res["kd"]
     ce, kd_loss = kd["runs"][0]["ce"], kd["runs"][0]["kd"]
     assert math.isclose(kd["gap_closed"][0], (ce - kd_loss) / (ce - kd["teacher_val_loss"]), rel_tol=1e-9)
-    assert "| 8da2w g32 |" in (out / "quality.md").read_text()
+    assert "| 8da2w g32 |" in report(out, "quality", "md")
     # learned scales are a setting of their own: their runs land beside the others, which stay
     q = out / "quality"
     first = (q / "s0_qat_8da2w" / "log.jsonl").read_text()
@@ -82,12 +90,15 @@ def test_quality_report(tmp_path):
     # a reference finetune that ends worse than its base (here a learning rate that wrecks it) is named
     bench("quality", "--data_dir", data, "--out_dir", str(tmp_path / "hot"), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
           "--ft_iters", "2", "--ft_lr", "0.1", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "none")
-    assert "the plain finetunes end worse than the base" in (tmp_path / "hot" / "quality.md").read_text()
+    assert "the plain finetunes end worse than the base" in report(tmp_path / "hot", "quality", "md")
     # a base trained again with other settings: the runs made from the old one are not reused
     plain = (q / "s0_plain" / "log.jsonl").read_text()
     bench("quality", "--data_dir", data, "--out_dir", str(out), *SMALL, "--student_preset", "toy", "--base_iters", "8",
           "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "none")
     assert (q / "s0_plain" / "log.jsonl").read_text() != plain
+    # and its report lands beside the first comparison's, which stays as it was
+    reports = list(out.glob("quality_????????.json"))
+    assert len(reports) == 2 and first_report in reports and json.load(open(first_report)) == res
 
 
 def saved_bytes(args, dtype, qat=False, B=2, T=64):
