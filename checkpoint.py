@@ -327,11 +327,7 @@ def save_training_checkpoint(model, optimizers, small, out_dir, sharded):
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
-        fd = os.open(out_dir, os.O_RDONLY)  # a rename is durable once its directory is flushed
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(out_dir)  # a rename is durable once its directory is flushed
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(single):
             os.remove(single)
@@ -626,6 +622,14 @@ def _plain(state_dict, args):
     return sd
 
 
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)  # a directory too: its entries, a rename's result
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def _atomic_dir(out_dir):
     """A temp directory beside out_dir, renamed into place once written, so a crash never leaves a
@@ -636,9 +640,13 @@ def _atomic_dir(out_dir):
     try:
         yield tmp
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
+        for root, _, files in os.walk(tmp):  # on disk before the rename: a power cut never leaves it holding empty files
+            for name in files + ["."]:
+                _fsync(os.path.join(root, name))
         if os.path.exists(out_dir):  # rename cannot replace a non-empty directory
             os.rename(out_dir, tmp + ".old")
         os.rename(tmp, out_dir)
+        _fsync(os.path.dirname(out_dir))
         shutil.rmtree(tmp + ".old", ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -910,6 +918,8 @@ def export_executorch(model, path, max_seq_len=None):
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(edge.to_executorch().buffer)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     return max_len
 

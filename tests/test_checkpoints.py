@@ -359,6 +359,23 @@ def test_export_refuses_missing_tokenizer_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["config.json", "params.json"]  # nothing half-written
 
 
+def test_exports_reach_the_disk_before_they_are_renamed_into_place(tmp_path, monkeypatch):
+    # each file and the directory flushed before the rename, and the rename itself after it: a power
+    # cut leaves the old export or the whole new one, never one of empty files
+    events, fsync, rename = [], os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd))
+    monkeypatch.setattr(os, "rename", lambda a, b: events.append(("rename", str(b))) or rename(a, b))
+    args = toy_args()
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    for export, name in ((export_hf, "hf"), (export_meta, "meta")):
+        events.clear()
+        export(build(args).state_dict(), args, tmp_path / name, tokenizer_files=[str(tmp_path / "chat_template.jinja")])
+        done = events.index(("rename", str(tmp_path / name)))
+        flushed = {os.path.basename(p) for kind, p in events[:done] if kind == "fsync"}
+        assert flushed >= set(os.listdir(tmp_path / name)) and any(b.startswith(f".{name}.tmp") for b in flushed)
+        assert ("fsync", str(tmp_path)) in events[done:]
+
+
 def test_killed_runs_temp_files_go_only_when_out_dir_is_locked_and_not_an_input(tmp_path, capsys):
     for name in ("ckpt.pt.tmp", ".export_hf.tmpab", "ckpt.tmp"):
         (tmp_path / name).mkdir() if name != "ckpt.pt.tmp" else (tmp_path / name).write_bytes(b"half")
