@@ -319,9 +319,15 @@ def _hf_tokenizer(path, data):
     if eos_id is None:
         raise DataPrepError(f"tokenizer {path} has no eos_token: put the tokenizer_config.json (or "
                             f"special_tokens_map.json) that names it beside it")
-    add_bos = config.get("add_bos_token")
-    if add_bos is None:  # not set: the tokenizer's own post-processor decides, as in transformers
-        add_bos = bos_id is not None and ids[:1] == [bos_id]
+    # the post-processor decides whether a text starts with BOS, as in transformers 5 (and 4's
+    # PreTrainedTokenizerFast, Llama 3's class); 4's LlamaTokenizerFast rebuilds it from add_bos_token
+    # instead, so a config that says otherwise would train and deploy with different BOS
+    add_bos = bos_id is not None and ids[:1] == [bos_id]
+    if config.get("add_bos_token", add_bos) != add_bos:
+        raise DataPrepError(f"{os.path.dirname(path) or '.'}/tokenizer_config.json says add_bos_token "
+                            f"{config['add_bos_token']}, yet {path}'s post-processor puts {'a' if add_bos else 'no'} BOS "
+                            f"before a text; transformers 5 follows the post-processor, transformers 4's LlamaTokenizerFast "
+                            f"the config: set add_bos_token to {str(add_bos).lower()} there so that both agree")
     return Tokenizer("hf", [path] + extras, max(tok.get_vocab(with_added_tokens=True).values()) + 1,
                      bos_id if add_bos else None, eos_id,
                      lambda text: tok.encode(text, add_special_tokens=False).ids,

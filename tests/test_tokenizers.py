@@ -51,7 +51,7 @@ def write_sentencepiece(path, text=None, vocab_size=340):
     return path
 
 
-def write_hf(folder, config=None, template=False):
+def write_hf(folder, config=None, template=True):
     """A byte-level BPE tokenizer.json with <s> and </s>, and a tokenizer_config.json naming them."""
     folder.mkdir(parents=True, exist_ok=True)
     tok = HFTokenizer(models.BPE())
@@ -148,16 +148,22 @@ def test_chat_markers_in_the_data_are_named(kind, tmp_path, capsys):
 
 
 def test_hf_bos_semantics(tmp_path):
-    # add_bos_token false: no BOS, whatever bos_token says
-    tok = load_tokenizer(write_hf(tmp_path / "off", {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}))
-    assert tok.bos_id is None and tok.eos_id is not None
-    # not set: the tokenizer's own post-processor decides
-    assert load_tokenizer(write_hf(tmp_path / "tmpl", {"bos_token": "<s>", "eos_token": "</s>"}, template=True)).bos_id == 1
-    assert load_tokenizer(write_hf(tmp_path / "none", {"bos_token": "<s>", "eos_token": "</s>"})).bos_id is None
-    # no config names a BOS, yet the post-processor puts one before every text: that is the BOS, as in transformers
-    assert load_tokenizer(write_hf(tmp_path / "tmpl_only", {"eos_token": "</s>"}, template=True)).bos_id == 1
+    from transformers import AutoTokenizer
+    names = {"bos_token": "<s>", "eos_token": "</s>"}
+    # the post-processor decides, as in transformers; add_bos_token may say the same
+    for name, config, template, bos in (("tmpl", names, True, 1), ("on", {**names, "add_bos_token": True}, True, 1),
+                                        ("none", names, False, None), ("off", {**names, "add_bos_token": False}, False, None),
+                                        # no config names a BOS, yet the post-processor puts one before every text
+                                        ("tmpl_only", {"eos_token": "</s>"}, True, 1)):
+        tok = load_tokenizer(write_hf(tmp_path / name, config, template))
+        assert (tok.bos_id, tok.eos_id) == (bos, 2)
+        assert AutoTokenizer.from_pretrained(tmp_path / name)("a b").input_ids == [bos] * (bos is not None) + tok.encode("a b")
+    # saying otherwise: transformers 4's LlamaTokenizerFast would follow the config, 5 the post-processor
+    for template, said in ((True, False), (False, True)):
+        with pytest.raises(DataPrepError, match=f"says add_bos_token {said}, yet .* set add_bos_token to {str(not said).lower()}"):
+            load_tokenizer(write_hf(tmp_path / f"disagree{said}", {**names, "add_bos_token": said}, template))
     # special_tokens_map.json alone names them too, and is copied along
-    folder = write_hf(tmp_path / "map", {})
+    folder = write_hf(tmp_path / "map", {}, template=False)
     (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
     (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}</s>{% endfor %}")
     tok = load_tokenizer(folder / "tokenizer.json")
