@@ -170,9 +170,22 @@ class Tokenizer:
         """Copy the defining files into out_dir under the names load_tokenizer(out_dir) finds; returns them."""
         names = ["tokenizer.json" if self.kind == "hf" else "tokenizer.model"]
         names += [os.path.basename(p) for p in self.files[1:]]
+        remove_tokenizer_files(out_dir, keep=names)
         for src, name in zip(self.files, names):
             shutil.copyfile(src, os.path.join(out_dir, name))
         return names
+
+
+def remove_tokenizer_files(out_dir, keep=()):
+    """Removes the tokenizer files in out_dir but `keep`: an earlier run's, of another tokenizer (or of
+    one when this run's data has none), which load_tokenizer(out_dir) would read with or instead of this run's.
+    A model's own directory (an HF or Meta one given as out_dir) keeps its files."""
+    if any(os.path.isfile(os.path.join(out_dir, n)) for n in ("config.json", "params.json")):
+        return
+    for name in TOKENIZER_NAMES:
+        if name not in keep and os.path.lexists(path := os.path.join(out_dir, name)):
+            os.remove(path)
+            print(f"removed {path}: an earlier run's tokenizer file, not this run's data's")
 
 
 def tokenizer_mismatch(a, b):

@@ -48,7 +48,7 @@ from torchao.quantization.qat import QATConfig
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
                         load_sharded_checkpoint, lock_dir, pte_summary, remove_earlier_outputs, save_training_checkpoint,
                         sharded_dir, source_generation, source_stop_ids, stop_ids, tokenizer_of)
-from data_prep import DataPrepError, load_data_meta, load_tokenizer, tokenizer_mismatch
+from data_prep import DataPrepError, load_data_meta, load_tokenizer, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
                    initial_scales, learn_scales, merge_lora, peak_flops, restart_scales, weights_only)
 
@@ -285,6 +285,8 @@ if lock_error[0]:
 if master_process:
     if data_tokenizer and data_tokenizer.get("files"):  # a copy beside each checkpoint, to sample and export it with
         load_tokenizer(data_dir).save(out_dir)
+    else:  # nor one an earlier run left, which sample.py and the exports would take for this data's
+        remove_tokenizer_files(out_dir)
     print(f"{world_size} process(es) on {device_type}, {tokens_per_iter:,} tokens per step")
 
 # -----------------------------------------------------------------------------

@@ -337,14 +337,20 @@ def test_earlier_runs_outputs_are_removed_not_left_beside_new_weights(train, dat
         (out / name).mkdir() if "export" in name or name == "ckpt.tmp" else (out / name).write_bytes(b"half")
     (out / ".export_hf.tmpk2x9" / "model.safetensors").write_bytes(b"half")
     (out / "notes.tmp").write_text("the user's")
+    # and an earlier run's tokenizer, which sample.py and the exports would read as this data's (it has none)
+    stale = ["tokenizer.json", "tokenizer_config.json"]
+    for name in stale:
+        (out / name).write_text("{}")
     r = run(SCRIPT, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(out / "export_meta"), "max_iters": 1})
+    for name in stale:
+        assert f"removed {out / name}: an earlier run's tokenizer file" in r.stdout and not (out / name).exists()
     assert f"removed {out / 'quantized.pt'}: an earlier run's output" in r.stdout
     assert not (out / "quantized.pt").exists() and (out / "export_meta" / "params.json").exists()
     for name in killed:
         assert f"removed {out / name}: an unfinished write of a run that was killed" in r.stdout
         assert not (out / name).exists()
     assert (out / "notes.tmp").exists()
-    assert r.stdout.count("removed") == 1 + len(killed)
+    assert r.stdout.count("removed") == 1 + len(killed) + len(stale)
 
 
 def test_non_finite_loss_stops_the_run_before_its_checkpoint(data, tmp_path):

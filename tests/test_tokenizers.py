@@ -297,3 +297,19 @@ def test_unknown_files_are_refused(tmp_path):
         load_tokenizer(tmp_path / "empty")
     with pytest.raises(DataPrepError, match="does not exist"):
         load_tokenizer(tmp_path / "nowhere.model")
+
+
+def test_save_leaves_no_other_tokenizer_beside_it(tmp_path, capsys):
+    # an HF tokenizer saved where an earlier run left another kind: load_tokenizer would read the old
+    # files with the new (a tokenizer_config.json) or instead of them (a tokenizer.json before a tokenizer.model)
+    out = tmp_path / "run"
+    load_tokenizer(write_hf(tmp_path / "hf", {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False},
+                            template=False)).save(out.mkdir() or out)
+    sp = load_tokenizer(write_sentencepiece(tmp_path / "sp.model"))
+    assert sp.save(out) == ["tokenizer.model"] and sorted(p.name for p in out.iterdir()) == ["tokenizer.model"]
+    assert load_tokenizer(out).fingerprint() == sp.fingerprint() and sp.bos_id == 1
+    assert capsys.readouterr().out.count("an earlier run's tokenizer file") == 2
+    # a model's own directory given as out_dir keeps its files
+    (out / "config.json").write_text("{}")
+    load_tokenizer(tmp_path / "hf").save(out)
+    assert {"tokenizer.model", "tokenizer.json"} <= {p.name for p in out.iterdir()}
