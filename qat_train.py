@@ -239,8 +239,11 @@ ckpt_fake_quant = bool(ckpt.get("fake_quant")) and same_quant
 # the checkpoints, written to the export's generation config
 source_stops = source_stop_ids(resume_path, ckpt) if init_from != "scratch" else []
 generation = source_generation(resume_path, ckpt) if init_from != "scratch" else {}  # its sampling defaults, the same way
-# scales learned by range_learning: training state, which load_checkpoint leaves out of the weights
-ckpt_scales = {k: v for k, v in ckpt.get("model", {}).items() if k.endswith("learned_scale")} if same_quant else {}
+# scales learned by range_learning: training state, which load_checkpoint leaves out of the weights.
+# A run stopped before its fake quant began never trained them (they are its first weights' scales):
+# a finetune from it starts from the scales of the weights it has, as plain QAT does
+ckpt_scales = ({k: v for k, v in ckpt.get("model", {}).items() if k.endswith("learned_scale")}
+               if init_from == "resume" or ckpt_fake_quant else {})
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 
 # -----------------------------------------------------------------------------

@@ -494,6 +494,17 @@ def test_range_learning_scales_survive_resume_and_conversion(train, data, tmp_pa
                    "convert_only": True})
     assert summary(read_log(again))["method"] == "qat"
     assert summary(read_log(again))["quant_val_loss"] == pytest.approx(s["quant_val_loss"], rel=1e-6)
+    # a run stopped before its fake quant began holds scales it never trained (its first weights'):
+    # a finetune from it starts from the scales of the weights it has, as from a checkpoint without any
+    early = tmp_path / "early"
+    run(SCRIPT, **{**BASE, **rl, "fake_quant_after_n_steps": 4, "max_iters": 3, "data_dir": data, "out_dir": early})
+    ckpt = torch.load(early / "ckpt.pt", weights_only=True)
+    ckpt["model"] = {k: v for k, v in ckpt["model"].items() if not k.endswith("learned_scale")}
+    torch.save(ckpt, tmp_path / "no_scales.pt")
+    for init in (early / "ckpt.pt", tmp_path / "no_scales.pt"):
+        run(SCRIPT, **{**FINETUNE, **rl, "data_dir": data, "out_dir": tmp_path / f"ft_{init.stem}", "init_from": str(init),
+                       "max_iters": 1})
+    assert losses(read_log(tmp_path / "ft_ckpt")) == losses(read_log(tmp_path / "ft_no_scales"))
 
 
 def test_resume_applies_this_runs_optimizer_settings(data, tmp_path):
