@@ -273,6 +273,24 @@ def remove_earlier_outputs(out_dir, inputs, locked):
             remove(os.path.join(out_dir, entry), "an unfinished write of a run that was killed")
 
 
+CHECKPOINT_NAMES = ("ckpt.pt", "ckpt", "ckpt.old")  # a single file, a sharded directory, and the one a save replaces
+
+
+def set_aside_checkpoint(out_dir, inputs):
+    """At a fresh start in out_dir: an earlier run's checkpoint there becomes NAME.prev until this run's
+    first save replaces it. Else a crash before that save would leave it to be taken for this run's
+    (init_from='resume' would continue the other run under this one's settings; sample.py would sample
+    it). One that is, or is in, a path in `inputs` (this run's init_from) stays."""
+    inputs = {os.path.realpath(p) for p in inputs if p}
+    for name in CHECKPOINT_NAMES:
+        path = os.path.join(out_dir, name)
+        real = os.path.realpath(path)
+        if os.path.lexists(path) and not any(real == i or real.startswith(i + os.sep) for i in inputs):
+            _remove(path + ".prev")
+            os.replace(path, path + ".prev")
+            print(f"{path} held an earlier run's checkpoint: moved to {name}.prev until this run saves its own")
+
+
 def atomic_save(obj, path):
     # a crash mid-write leaves the previous file intact: write aside, flush to disk, then rename
     with open(path + ".tmp", "wb") as f:
@@ -300,17 +318,19 @@ def check_resume(ckpt, config, same, data_meta, path, script):
 
 def save_training_checkpoint(model, optimizers, small, out_dir, sharded):
     """A collective: every rank calls it. `small` is what is not a tensor of model or optimizer
-    (model_args, iter_num, config, ...). The other format's checkpoint is removed afterwards."""
+    (model_args, iter_num, config, ...). The other format's checkpoint is removed afterwards, and
+    so is an earlier run's that set_aside_checkpoint kept."""
     master = dist.get_rank() == 0
     single, final, tmp, old = (os.path.join(out_dir, n) for n in ("ckpt.pt", "ckpt", "ckpt.tmp", "ckpt.old"))
+    prevs = [os.path.join(out_dir, n + ".prev") for n in CHECKPOINT_NAMES]
     if not sharded:
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 alone ends up with the tensors
         state = {"model": get_model_state_dict(model, options=full),
                  "optimizer": get_optimizer_state_dict(model, optimizers, options=full)}
         if master:
             atomic_save({**state, **small}, single)
-            for d in (final, old):  # ckpt.old too: sharded_dir would otherwise pick it over this newer file
-                shutil.rmtree(d, ignore_errors=True)
+            for d in (final, old, *prevs):  # ckpt.old too: sharded_dir would otherwise pick it over this newer file
+                _remove(d)
         return
     if master:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written directory
@@ -328,7 +348,8 @@ def save_training_checkpoint(model, optimizers, small, out_dir, sharded):
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync(out_dir)  # a rename is durable once its directory is flushed
-        shutil.rmtree(old, ignore_errors=True)
+        for d in (old, *prevs):
+            _remove(d)
         if os.path.exists(single):
             os.remove(single)
 
@@ -620,6 +641,14 @@ def _plain(state_dict, args):
     if args.tie_embeddings:  # one tensor under both names, whether or not the caller passed both
         sd["output.weight"] = sd["tok_embeddings.weight"]
     return sd
+
+
+def _remove(path):
+    """Removes a file, a link or a directory tree at path, if there is one."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def _fsync(path):

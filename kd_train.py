@@ -69,7 +69,8 @@ from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch, export_hf, export_meta,
                         load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary, remove_earlier_outputs, save_adapter,
-                        save_training_checkpoint, sharded_dir, source_generation, source_stop_ids, stop_ids, tokenizer_of)
+                        save_training_checkpoint, set_aside_checkpoint, sharded_dir, source_generation, source_stop_ids, stop_ids,
+                        tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
                    flops_per_token, fuse_fake_quant, initial_scales, learn_scales, mark_only_lora_trainable, merge_lora, peak_flops,
@@ -1085,6 +1086,8 @@ log_file = None
 if master_process:
     # checkpoint.py: an earlier run's exports, not this one's, and a killed run's temp files if out_dir is locked
     remove_earlier_outputs(out_dir, (resume_path, init_from, teacher_init), locked=dir_lock is not None and not topk_write)
+    if init_from != "resume":  # an earlier run's checkpoint: set aside, never taken for this run's
+        set_aside_checkpoint(out_dir, (init_from, teacher_init))
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")

@@ -47,7 +47,7 @@ from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
                         load_sharded_checkpoint, lock_dir, pte_summary, remove_earlier_outputs, save_training_checkpoint,
-                        sharded_dir, source_generation, source_stop_ids, stop_ids, tokenizer_of)
+                        set_aside_checkpoint, sharded_dir, source_generation, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
                    initial_scales, learn_scales, merge_lora, peak_flops, restart_scales, weights_only)
@@ -637,6 +637,8 @@ log_file = None
 if master_process:
     # checkpoint.py: an earlier run's exports, not this one's, and a killed run's temp files if out_dir is locked
     remove_earlier_outputs(out_dir, (resume_path, init_from), locked=out_dir_lock is not None)
+    if init_from != "resume" and not convert_only:  # an earlier run's checkpoint: set aside, never taken for this run's
+        set_aside_checkpoint(out_dir, (init_from,))
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")

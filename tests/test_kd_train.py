@@ -289,6 +289,8 @@ def test_non_finite_teacher(setup, tmp_path):
     state["stop_ids"] = [7, 2]  # (and the stop ids of its source, which a student from scratch takes on)
     torch.save(state, tmp_path / "inf_teacher.pt")
     common = dict(TRAIN, data_dir=setup["data"], init_from=setup["student"], teacher_init=str(tmp_path / "inf_teacher.pt"))
+    (tmp_path / "half").mkdir()  # holding an earlier run's checkpoint, which is set aside: it is not this run's
+    shutil.copyfile(setup["student"], tmp_path / "half" / "ckpt.pt")
     (code0, err0), (code, err), (code_s, err_s) = run_in_one_process([
         ("kd_train.py", dict(common, out_dir=str(tmp_path / "zero"), kd_ratio=0.0)),
         ("kd_train.py", dict(common, out_dir=str(tmp_path / "half"), kd_ratio=0.5, ckpt_interval=1, log_interval=5)),
@@ -300,7 +302,7 @@ def test_non_finite_teacher(setup, tmp_path):
     assert all(math.isfinite(r["loss"]) and math.isnan(r["kd_loss"]) for r in train_lines(read_log(tmp_path / "zero")))
     assert code == 2 and (f"step 1: the KD term is not finite; stopped, and no checkpoint was written; check the teacher "
                           f"({tmp_path / 'inf_teacher.pt'})") in err, err[-2000:]
-    assert not (tmp_path / "half" / "ckpt.pt").exists()
+    assert not (tmp_path / "half" / "ckpt.pt").exists() and (tmp_path / "half" / "ckpt.pt.prev").exists()
 
 
 # -----------------------------------------------------------------------------

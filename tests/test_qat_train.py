@@ -373,6 +373,22 @@ def test_non_finite_loss_stops_the_run_before_its_checkpoint(data, tmp_path):
                                            r"lower learning_rate or grad_clip, or train in float32", r.stderr), r.stderr[-2000:]
 
 
+def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_none_to_resume(train, data, tmp_path):
+    # an earlier run's checkpoint in out_dir is set aside: a resume would continue it under this run's
+    # settings and log, sample.py would take it for this run's
+    out = tmp_path / "run"
+    shutil.copytree(train(), out)
+    r = run(SCRIPT, check=False, **{**BASE, "data_dir": data, "out_dir": out, "learning_rate": 1e30, "ckpt_interval": 100})
+    assert r.returncode == 2 and "no checkpoint was written" in r.stderr, r.stderr[-2000:]
+    assert f"{out / 'ckpt.pt'} held an earlier run's checkpoint: moved to ckpt.pt.prev" in r.stdout
+    assert not (out / "ckpt.pt").exists() and (out / "ckpt.pt.prev").exists()
+    r = run(SCRIPT, check=False, **{**BASE, "data_dir": data, "out_dir": out, "init_from": "resume"})
+    assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr[-2000:]
+    # kept until this run's first save replaces it
+    run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": out, "max_iters": 1})
+    assert (out / "ckpt.pt").exists() and not (out / "ckpt.pt.prev").exists()
+
+
 def test_resume_refuses_other_data(train, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(train(), out)
