@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 from checkpoint import (  # noqa: E402
     checkpoint_digest, export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, remove_earlier_outputs, save_adapter,
-    source_stop_ids, stop_ids,
+    set_aside_checkpoint, source_stop_ids, stop_ids,
 )
 from model import PRESETS, ModelArgs, Transformer, merge_lora  # noqa: E402
 
@@ -384,6 +384,19 @@ def test_killed_runs_temp_files_go_only_when_out_dir_is_locked_and_not_an_input(
     remove_earlier_outputs(tmp_path, (str(tmp_path / "ckpt.tmp"),), locked=True)  # this run's input stays
     assert sorted(os.listdir(tmp_path)) == ["ckpt.tmp"]
     assert capsys.readouterr().out.count("an unfinished write of a run that was killed") == 2
+
+
+def test_set_aside_checkpoint_keeps_this_runs_input(tmp_path):
+    # a sharded directory goes aside like a file; a checkpoint this run starts from stays, and so does
+    # everything in an out_dir given as init_from itself
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "state.pt").write_bytes(b"shards")
+    (tmp_path / "ckpt.pt").write_bytes(b"weights")
+    set_aside_checkpoint(tmp_path, (str(tmp_path / "ckpt.pt"),))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.prev", "ckpt.pt"] and (tmp_path / "ckpt.prev" / "state.pt").exists()
+    (tmp_path / "ckpt").mkdir()
+    set_aside_checkpoint(tmp_path, (str(tmp_path),))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.prev", "ckpt.pt"]
 
 
 def test_stop_ids(tmp_path):
