@@ -300,10 +300,17 @@ def atomic_save(obj, path):
     os.replace(path + ".tmp", path)
 
 
-def check_resume(ckpt, config, same, data_meta, path, script):
+# the learning rate's schedule: a resume may change it (to train longer, say), when it says so
+SCHEDULE = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters")
+
+
+def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     """Refuses (ValueError) to resume the checkpoint `ckpt` from `path` in another script than
     wrote it, with other values of the settings `same` than it was trained with, or on other data
-    (data_prep's file fingerprints)."""
+    (data_prep's file fingerprints). With `asked` (the keys this run sets), the SCHEDULE settings
+    may differ from the checkpoint's only where this run sets them (a default against the
+    checkpoint's value is one left off the command line; lr_decay_iters 0 is max_iters, which
+    sets it); returns a line naming the changes."""
     # checkpoints from before "script" was recorded: kd_train's alone carry teacher_init
     if (wrote := ckpt.get("script") or ("kd_train.py" if "teacher_init" in ckpt else "qat_train.py")) != script:
         raise ValueError(f"{path} was written by {wrote}, not {script}: resume it with {wrote}, or give this run "
@@ -314,6 +321,18 @@ def check_resume(ckpt, config, same, data_meta, path, script):
     if ckpt.get("data") != data_meta.get("data"):
         raise ValueError(f"the data is not the data {path} was trained on (its files differ); "
                          f"resume with the same data_dir contents or start a new out_dir")
+    if asked is None:
+        return ""
+    # lr_decay_iters 0 decays over max_iters
+    ours, theirs = ({**c, "lr_decay_iters": c.get("lr_decay_iters") or c.get("max_iters")} for c in (config, ckpt["config"]))
+    was = {k: theirs[k] for k in SCHEDULE if theirs.get(k) is not None and theirs[k] != ours[k]}
+    asked = set(asked) | ({"lr_decay_iters"} if "max_iters" in asked else set())
+    if unsaid := [k for k in was if k not in asked]:
+        raise ValueError(f"{path} was trained with {', '.join(f'{k}={was[k]!r}' for k in unsaid)}, and this run has the "
+                         f"default{'s' if len(unsaid) > 1 else ''} ({', '.join(f'{k}={ours[k]!r}' for k in unsaid)}); "
+                         f"give {'them' if len(unsaid) > 1 else 'it'}: the same to continue its learning-rate schedule, "
+                         f"another to change it from the checkpoint's step")
+    return "; ".join(f"{k} {v!r} -> {ours[k]!r}" for k, v in was.items())
 
 
 def save_training_checkpoint(model, optimizers, small, out_dir, sharded):

@@ -316,14 +316,16 @@ if init_from == "resume":
     model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt.get("model")  # sharded: read later
     source_stops, generation = source_stop_ids(resume_path, ckpt), source_generation(resume_path, ckpt)
     try:  # these decide which batches a step sees, what is trained, or what the weights were trained for
-        check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init",
-                                    "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
-                                    "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding",
-                                    "quant_skip", "range_learning", "fake_quant_after_n_steps", "teacher_topk_dir",
-                                    "kd_ratio", "kd_divergence", "kd_temperature", "jsd_beta"), data_meta,
-                     resume_path, "kd_train.py")
+        changes = check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init",
+                                              "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
+                                              "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding",
+                                              "quant_skip", "range_learning", "fake_quant_after_n_steps", "teacher_topk_dir",
+                                              "kd_ratio", "kd_divergence", "kd_temperature", "jsd_beta"), data_meta,
+                               resume_path, "kd_train.py", asked=overridden)
     except ValueError as e:
         fail(str(e))
+    if changes and master_process:
+        print(f"note: the learning-rate schedule changes from the checkpoint's step: {changes}")
     if ckpt.get("teacher_digest") not in (None, teacher_digest):  # checkpoints from before it was recorded: None
         fail(f"the teacher {teacher_init!r} is not the one {resume_path} was trained with (its bytes differ"
              f"{', or its store was rewritten' if from_store else ''}); resume with that teacher or start a new out_dir")

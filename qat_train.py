@@ -228,10 +228,12 @@ if init_from == "resume":  # these decide which batches a step sees, or what the
         same = ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "fake_quant_after_n_steps", "preset", "n_layer",
                 "n_head", "n_kv_head", "n_embd") + quant_settings
         # a conversion trains nothing: the loop's settings neither need to match nor may be given
-        check_resume(ckpt, config, tuple(k for k in same if not (convert_only and k in TRAINING_ONLY)), data_meta, resume_path,
-                     "qat_train.py")
+        changes = check_resume(ckpt, config, tuple(k for k in same if not (convert_only and k in TRAINING_ONLY)), data_meta,
+                               resume_path, "qat_train.py", asked=None if convert_only else overridden)
     except ValueError as e:
         fail(str(e))
+    if changes and master_process:
+        print(f"note: the learning-rate schedule changes from the checkpoint's step: {changes}")
 # whether the loaded weights were trained with this very fake quantization (so converting them is QAT)
 same_quant = "config" in ckpt and all(ckpt["config"].get(k) == globals()[k] for k in quant_settings)
 ckpt_fake_quant = bool(ckpt.get("fake_quant")) and same_quant

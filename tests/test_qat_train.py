@@ -523,6 +523,18 @@ def test_range_learning_scales_survive_resume_and_conversion(train, data, tmp_pa
     assert losses(read_log(tmp_path / "ft_ckpt")) == losses(read_log(tmp_path / "ft_no_scales"))
 
 
+def test_resume_changes_the_schedule_only_when_told(data, tmp_path):
+    out = tmp_path / "sched"
+    settings = {**BASE, "data_dir": data, "out_dir": out}
+    run(SCRIPT, **{**settings, "max_iters": 2})
+    # a setting left off the command line: its default is not the checkpoint's value
+    r = run(SCRIPT, check=False, **{k: v for k, v in settings.items() if k != "min_lr"}, init_from="resume")
+    assert r.returncode == 2 and "was trained with min_lr=0.001, and this run has the default (min_lr=3e-05); give it" in r.stderr
+    # given, another value changes the schedule from the checkpoint's step, and the run says so
+    r = run(SCRIPT, **{**settings, "init_from": "resume", "max_iters": 3})
+    assert "note: the learning-rate schedule changes from the checkpoint's step: lr_decay_iters 2 -> 3" in r.stdout
+
+
 def test_resume_applies_this_runs_optimizer_settings(data, tmp_path):
     # the optimizer state a resume loads carries the first run's weight decay, betas and scale
     # learning rate; the resumed run trains with its own, as its printed config says
