@@ -1254,7 +1254,7 @@ with profiler as prof:
         t_pause = time.perf_counter()  # evaluation and checkpoints are not training time
         if iter_num % eval_interval == 0 or iter_num == max_iters:
             val_loss = evaluate(model, it=iter_num)
-            log({"iter": iter_num, "val_loss": val_loss})
+            log({"iter": iter_num, "val_loss": val_loss, "fake_quant": fake_quant_on(iter_num - 1)})
             if master_process:
                 pbar.write(f"step {iter_num}: val loss {val_loss:.4f} (teacher {teacher_val_loss:.4f})")
         if iter_num % ckpt_interval == 0 or iter_num == max_iters:

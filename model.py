@@ -636,10 +636,11 @@ def weights_only(state):
 
 
 def _max_scales(w, fq):
-    """The scales torchao's dynamic fake quantizer computes for weight rows w, shaped as fq's."""
+    """The scales torchao's dynamic fake quantizer computes for weight rows w, shaped as fq's and in
+    its dtype (the model's: a bfloat16 checkpoint finetuned in float32 gets float32 scales)."""
     scale, _ = get_group_qparams_symmetric(w.float(), _DTYPE_TO_BIT_WIDTH[fq.config.dtype], fq.config.granularity.group_size,
                                            torch.float32, eps=fq.config.eps)
-    return scale.view(w.shape[0], -1).to(w.dtype)
+    return scale.view(w.shape[0], -1).to(fq.learned_scale.dtype)
 
 
 @torch.no_grad()

@@ -489,6 +489,7 @@ def test_qad_ends_with_a_converted_model(misc_runs):
     assert steps[0]["kd_loss"] == pytest.approx(0.0, abs=1e-6) and not steps[0]["fake_quant"]
     assert steps[1]["kd_loss"] > 1e-5 and steps[1]["fake_quant"]
     assert any(r.get("event") == "fake_quant_enabled" and r["iter"] == 1 for r in log)
+    assert [r["fake_quant"] for r in log if "val_loss" in r] == [True]  # the evaluation's model is the fake-quantized one
     summary = log[-1]
     assert summary["method"] == "qad" and summary["quantizer"] == "8da4w"
     assert math.isfinite(summary["quant_val_loss"]) and math.isfinite(summary["fp_val_loss"])

@@ -175,6 +175,8 @@ def test_fake_quant_switches_on_at_step_n(train):
         else:
             assert abs(loss - losses(plain)[it]) > 1e-4, it
     assert [r["iter"] for r in qat if r.get("event") == "fake_quant_enabled"] == [N]
+    # the evaluation at the end says whose loss it is: the fake-quantized model's
+    assert [(r["iter"], r["fake_quant"]) for log in (qat, plain) for r in log if "val_loss" in r] == [(6, True), (6, False)]
     assert summary(qat)["method"] == "qat"
     assert weights(train(**QAT)).keys() == weights(train()).keys()  # fake quant adds no state
 

@@ -26,6 +26,15 @@ def prepared(dtype, config, embedding=False):
     return m
 
 
+def test_learned_scales_start_in_the_models_dtype():
+    # a bfloat16 checkpoint finetuned in float32: the scales of the float32 weights it becomes, not rounded to bfloat16
+    m = prepared(torch.float32, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int2, weight_granularity=PerGroup(32)))
+    model.learn_scales(m)
+    state = {k: v.to(torch.bfloat16) for k, v in m.state_dict().items() if not k.endswith("learned_scale")}
+    want, got = model.initial_scales(m, {k: v.float() for k, v in state.items()}), model.initial_scales(m, state)
+    assert len(want) == 2 and all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme", ["8da4w", "8da2w", "4w", "embedding 4w"])
 def test_fused_fake_quant_matches_torchao(dtype, scheme):
