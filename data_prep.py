@@ -213,6 +213,16 @@ def load_data_meta(data_dir, block_size):
     if meta.get("packed") and block_size != meta["block_size"]:  # SFT samples packed whole into rows
         raise DataPrepError(f"{data_dir} holds samples packed into rows of {meta['block_size']} tokens; "
                             f"set block_size={meta['block_size']}")
+    # the tokenizer files beside the data, which the trainers copy beside every checkpoint and export,
+    # are the tokenizer the data was made with (not edited since, nor read otherwise by this version)
+    if (fp := meta.get("tokenizer")) and fp.get("files"):
+        try:
+            diff = tokenizer_mismatch(load_tokenizer(data_dir).fingerprint(), fp)
+        except DataPrepError as e:
+            diff = str(e)
+        if diff:
+            raise DataPrepError(f"the tokenizer files in {data_dir} are not read as the tokenizer its data was prepared "
+                                f"with ({diff}); prepare the data again with data_prep.py")
     return meta
 
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402
-from data_prep import (DataPrepError, iter_documents, list_files, load_tokenizer, prepare,  # noqa: E402
+from data_prep import (DataPrepError, iter_documents, list_files, load_data_meta, load_tokenizer, prepare,  # noqa: E402
                        tokenizer_mismatch, train_tokenizer)
 
 TEXTS = {
@@ -313,3 +313,20 @@ def test_save_leaves_no_other_tokenizer_beside_it(tmp_path, capsys):
     (out / "config.json").write_text("{}")
     load_tokenizer(tmp_path / "hf").save(out)
     assert {"tokenizer.model", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+
+
+def test_data_whose_tokenizer_files_changed_is_refused(tmp_path):
+    # the trainers copy the data's tokenizer beside every checkpoint and export: it must be the one
+    # the data was made with, not one edited since (or read otherwise by a newer nanotune)
+    out = tmp_path / "out"
+    prepare([write_corpus(tmp_path / "corpus")], out, tokenizer=write_hf(tmp_path / "hf"), num_proc=1)
+    assert load_data_meta(out, 8)["bos_id"] == 1
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    with pytest.raises(DataPrepError, match="not read as the tokenizer its data was prepared with .*says add_bos_token False"):
+        load_data_meta(out, 8)
+    # the config set right, the post-processor taken out: a tokenizer without BOS, unlike the data
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    shutil.copyfile(write_hf(tmp_path / "nobos", template=False) / "tokenizer.json", out / "tokenizer.json")
+    with pytest.raises(DataPrepError, match=r"prepared with \(.*bos_id 1 vs None|bos_id None vs 1"):
+        load_data_meta(out, 8)
