@@ -280,12 +280,22 @@ def set_aside_checkpoint(out_dir, inputs):
     """At a fresh start in out_dir: an earlier run's checkpoint there becomes NAME.prev until this run's
     first save replaces it. Else a crash before that save would leave it to be taken for this run's
     (init_from='resume' would continue the other run under this one's settings; sample.py would sample
-    it). One that is, or is in, a path in `inputs` (this run's init_from) stays."""
-    inputs = {os.path.realpath(p) for p in inputs if p}
+    it). One that is, holds or is in a path of `inputs` (this run's init_from) stays; an input that is
+    (or is in) a NAME.prev, which this run's first save removes, is refused (ValueError) first."""
+    inputs = {os.path.realpath(p) for p in inputs}
+
+    def within(a, b):
+        return a == b or a.startswith(b + os.sep)
+
+    def holds_input(path):
+        return any(within(i, os.path.realpath(path)) for i in inputs)
+
+    if prevs := [n + ".prev" for n in CHECKPOINT_NAMES if holds_input(os.path.join(out_dir, n + ".prev"))]:
+        raise ValueError(f"init_from is {os.path.join(out_dir, prevs[0])}, an earlier run's checkpoint set aside, which "
+                         f"this run's first checkpoint removes; copy it out of {out_dir}, or give this run another out_dir")
     for name in CHECKPOINT_NAMES:
         path = os.path.join(out_dir, name)
-        real = os.path.realpath(path)
-        if os.path.lexists(path) and not any(real == i or real.startswith(i + os.sep) for i in inputs):
+        if os.path.lexists(path) and not (holds_input(path) or any(within(os.path.realpath(path), i) for i in inputs)):
             _remove(path + ".prev")
             os.replace(path, path + ".prev")
             print(f"{path} held an earlier run's checkpoint: moved to {name}.prev until this run saves its own")
@@ -301,7 +311,7 @@ def atomic_save(obj, path):
 
 
 # the learning rate's schedule: a resume may change it (to train longer, say), when it says so
-SCHEDULE = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters")
+SCHEDULE = ("learning_rate", "min_lr", "warmup_iters")  # and the steps of the decay: lr_decay_iters, or max_iters
 
 
 def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
@@ -309,8 +319,8 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     wrote it, with other values of the settings `same` than it was trained with, or on other data
     (data_prep's file fingerprints). With `asked` (the keys this run sets), the SCHEDULE settings
     may differ from the checkpoint's only where this run sets them (a default against the
-    checkpoint's value is one left off the command line; lr_decay_iters 0 is max_iters, which
-    sets it); returns a line naming the changes."""
+    checkpoint's value is one the command and its config files leave out); returns a line naming
+    the changes."""
     # checkpoints from before "script" was recorded: kd_train's alone carry teacher_init
     if (wrote := ckpt.get("script") or ("kd_train.py" if "teacher_init" in ckpt else "qat_train.py")) != script:
         raise ValueError(f"{path} was written by {wrote}, not {script}: resume it with {wrote}, or give this run "
@@ -323,16 +333,18 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
                          f"resume with the same data_dir contents or start a new out_dir")
     if asked is None:
         return ""
-    # lr_decay_iters 0 decays over max_iters
-    ours, theirs = ({**c, "lr_decay_iters": c.get("lr_decay_iters") or c.get("max_iters")} for c in (config, ckpt["config"]))
-    was = {k: theirs[k] for k in SCHEDULE if theirs.get(k) is not None and theirs[k] != ours[k]}
-    asked = set(asked) | ({"lr_decay_iters"} if "max_iters" in asked else set())
+    theirs = ckpt["config"]
+    was = {k: theirs[k] for k in SCHEDULE if k in theirs and theirs[k] != config[k]}
+    # the decay's steps: lr_decay_iters, where either run sets it (not 0), else max_iters
+    decay = "lr_decay_iters" if theirs.get("lr_decay_iters") or config["lr_decay_iters"] else "max_iters"
+    if decay in theirs and (theirs.get("lr_decay_iters") or theirs["max_iters"]) != (config["lr_decay_iters"] or config["max_iters"]):
+        was[decay] = theirs[decay]
     if unsaid := [k for k in was if k not in asked]:
         raise ValueError(f"{path} was trained with {', '.join(f'{k}={was[k]!r}' for k in unsaid)}, and this run has the "
-                         f"default{'s' if len(unsaid) > 1 else ''} ({', '.join(f'{k}={ours[k]!r}' for k in unsaid)}); "
+                         f"default{'s' if len(unsaid) > 1 else ''} ({', '.join(f'{k}={config[k]!r}' for k in unsaid)}); "
                          f"give {'them' if len(unsaid) > 1 else 'it'}: the same to continue its learning-rate schedule, "
                          f"another to change it from the checkpoint's step")
-    return "; ".join(f"{k} {v!r} -> {ours[k]!r}" for k, v in was.items())
+    return "; ".join(f"{k} {v!r} -> {config[k]!r}" for k, v in was.items())
 
 
 def save_training_checkpoint(model, optimizers, small, out_dir, sharded):

@@ -170,7 +170,6 @@ class Tokenizer:
         """Copy the defining files into out_dir under the names load_tokenizer(out_dir) finds; returns them."""
         names = ["tokenizer.json" if self.kind == "hf" else "tokenizer.model"]
         names += [os.path.basename(p) for p in self.files[1:]]
-        remove_tokenizer_files(out_dir, keep=names)
         for src, name in zip(self.files, names):
             shutil.copyfile(src, os.path.join(out_dir, name))
         return names

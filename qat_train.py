@@ -279,19 +279,26 @@ torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores 
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
-# one run at a time in out_dir (checkpoint.lock_dir)
-lock_error = [None]
+# one run at a time in out_dir (checkpoint.lock_dir); a fresh run sets an earlier one's checkpoint
+# aside, never to be taken for its own (checkpoint.set_aside_checkpoint)
+inputs = [resume_path] if init_from != "scratch" else []
+setup_error = [None]
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
-    out_dir_lock, lock_error[0] = lock_dir(out_dir)
-dist.broadcast_object_list(lock_error, src=0)  # every rank stops, not rank 0 alone
-if lock_error[0]:
-    fail(lock_error[0])
+    out_dir_lock, setup_error[0] = lock_dir(out_dir)
+    if not setup_error[0] and init_from != "resume" and not convert_only:
+        try:
+            set_aside_checkpoint(out_dir, inputs)
+        except ValueError as e:
+            setup_error[0] = str(e)
+dist.broadcast_object_list(setup_error, src=0)  # every rank stops, not rank 0 alone
+if setup_error[0]:
+    fail(setup_error[0])
 if master_process:
-    if data_tokenizer and data_tokenizer.get("files"):  # a copy beside each checkpoint, to sample and export it with
-        load_tokenizer(data_dir).save(out_dir)
-    else:  # nor one an earlier run left, which sample.py and the exports would take for this data's
-        remove_tokenizer_files(out_dir)
+    # the data's tokenizer beside each checkpoint, to sample and export it with, and no other: an
+    # earlier run's would be read with it, or instead of it
+    names = load_tokenizer(data_dir).save(out_dir) if data_tokenizer and data_tokenizer.get("files") else []
+    remove_tokenizer_files(out_dir, keep=names)
     print(f"{world_size} process(es) on {device_type}, {tokens_per_iter:,} tokens per step")
 
 # -----------------------------------------------------------------------------
@@ -638,9 +645,7 @@ def _json_or_none(line):
 log_file = None
 if master_process:
     # checkpoint.py: an earlier run's exports, not this one's, and a killed run's temp files if out_dir is locked
-    remove_earlier_outputs(out_dir, (resume_path, init_from), locked=out_dir_lock is not None)
-    if init_from != "resume" and not convert_only:  # an earlier run's checkpoint: set aside, never taken for this run's
-        set_aside_checkpoint(out_dir, (init_from,))
+    remove_earlier_outputs(out_dir, inputs, locked=out_dir_lock is not None)
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")

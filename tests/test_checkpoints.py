@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from checkpoint import (  # noqa: E402
-    checkpoint_digest, export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, remove_earlier_outputs, save_adapter,
+    check_resume, checkpoint_digest, export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, remove_earlier_outputs, save_adapter,
     set_aside_checkpoint, source_stop_ids, stop_ids,
 )
 from model import PRESETS, ModelArgs, Transformer, merge_lora  # noqa: E402
@@ -397,6 +397,32 @@ def test_set_aside_checkpoint_keeps_this_runs_input(tmp_path):
     (tmp_path / "ckpt").mkdir()
     set_aside_checkpoint(tmp_path, (str(tmp_path),))
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.prev", "ckpt.pt"]
+    # a set-aside checkpoint as this run's input: the run's first save would remove it
+    for given in (tmp_path / "ckpt.prev", tmp_path / "ckpt.prev" / "state.pt"):
+        with pytest.raises(ValueError, match=r"init_from is .*ckpt.prev, an earlier run's checkpoint set aside"):
+            set_aside_checkpoint(tmp_path, (str(given),))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.prev", "ckpt.pt"]  # nothing moved
+
+
+@pytest.mark.parametrize("theirs, ours, asked, says", [
+    # the decay's steps are lr_decay_iters where either run sets it: max_iters alone does not change them
+    ({"lr_decay_iters": 1000}, {"max_iters": 800}, {"max_iters"}, "refused: lr_decay_iters=1000, and this run has the default (lr_decay_iters=0)"),
+    ({"lr_decay_iters": 1000}, {"max_iters": 800, "lr_decay_iters": 1000}, {"max_iters", "lr_decay_iters"}, ""),
+    ({}, {"max_iters": 800}, {"max_iters"}, "max_iters 500 -> 800"),  # lr_decay_iters 0: max_iters decides
+    ({}, {"max_iters": 800}, set(), "refused: max_iters=500, and this run has the default (max_iters=800)"),
+    ({}, {"lr_decay_iters": 500}, {"lr_decay_iters"}, ""),  # the same decay, said otherwise
+    ({}, {"lr_decay_iters": 800}, {"lr_decay_iters"}, "lr_decay_iters 0 -> 800"),
+    ({"learning_rate": 2e-3}, {}, set(), "refused: learning_rate=0.002, and this run has the default (learning_rate=0.001)"),
+    ({"learning_rate": 2e-3, "min_lr": 0}, {}, {"learning_rate", "min_lr"}, "learning_rate 0.002 -> 0.001; min_lr 0 -> 0.0001"),
+])
+def test_resume_changes_the_schedule_only_when_asked(theirs, ours, asked, says):
+    base = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 10, "lr_decay_iters": 0, "max_iters": 500}
+    try:
+        said = check_resume({"config": {**base, **theirs}, "script": "qat_train.py"}, {**base, **ours}, (), {}, "ckpt.pt",
+                            "qat_train.py", asked=asked)
+    except ValueError as e:
+        said = f"refused: {str(e).removeprefix('ckpt.pt was trained with ')}"
+    assert said.startswith(says) and bool(said) == bool(says)
 
 
 def test_stop_ids(tmp_path):

@@ -534,7 +534,7 @@ def test_resume_changes_the_schedule_only_when_told(data, tmp_path):
     assert r.returncode == 2 and "was trained with min_lr=0.001, and this run has the default (min_lr=3e-05); give it" in r.stderr
     # given, another value changes the schedule from the checkpoint's step, and the run says so
     r = run(SCRIPT, **{**settings, "init_from": "resume", "max_iters": 3})
-    assert "note: the learning-rate schedule changes from the checkpoint's step: lr_decay_iters 2 -> 3" in r.stdout
+    assert "note: the learning-rate schedule changes from the checkpoint's step: max_iters 2 -> 3" in r.stdout
 
 
 def test_resume_applies_this_runs_optimizer_settings(data, tmp_path):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 import data_prep  # noqa: E402
 from data_prep import (DataPrepError, iter_documents, list_files, load_data_meta, load_tokenizer, prepare,  # noqa: E402
-                       tokenizer_mismatch, train_tokenizer)
+                       remove_tokenizer_files, tokenizer_mismatch, train_tokenizer)
 
 TEXTS = {
     "a.txt": "def f(x):\n    return x + 1  # done\n" * 20,
@@ -299,19 +299,21 @@ def test_unknown_files_are_refused(tmp_path):
         load_tokenizer(tmp_path / "nowhere.model")
 
 
-def test_save_leaves_no_other_tokenizer_beside_it(tmp_path, capsys):
-    # an HF tokenizer saved where an earlier run left another kind: load_tokenizer would read the old
-    # files with the new (a tokenizer_config.json) or instead of them (a tokenizer.json before a tokenizer.model)
+def test_remove_tokenizer_files_leaves_no_other_tokenizer_beside_one(tmp_path, capsys):
+    # an HF tokenizer where an earlier run left another kind: load_tokenizer would read the old files
+    # with the new (a tokenizer_config.json) or instead of them (a tokenizer.json before a tokenizer.model)
     out = tmp_path / "run"
+    out.mkdir()
     load_tokenizer(write_hf(tmp_path / "hf", {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False},
-                            template=False)).save(out.mkdir() or out)
+                            template=False)).save(out)
     sp = load_tokenizer(write_sentencepiece(tmp_path / "sp.model"))
-    assert sp.save(out) == ["tokenizer.model"] and sorted(p.name for p in out.iterdir()) == ["tokenizer.model"]
+    remove_tokenizer_files(out, keep=sp.save(out))
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.model"]
     assert load_tokenizer(out).fingerprint() == sp.fingerprint() and sp.bos_id == 1
     assert capsys.readouterr().out.count("an earlier run's tokenizer file") == 2
     # a model's own directory given as out_dir keeps its files
     (out / "config.json").write_text("{}")
-    load_tokenizer(tmp_path / "hf").save(out)
+    remove_tokenizer_files(out, keep=load_tokenizer(tmp_path / "hf").save(out))
     assert {"tokenizer.model", "tokenizer.json"} <= {p.name for p in out.iterdir()}
 
 
