@@ -276,13 +276,14 @@ def remove_earlier_outputs(out_dir, inputs, locked):
 CHECKPOINT_NAMES = ("ckpt.pt", "ckpt", "ckpt.old")  # a single file, a sharded directory, and the one a save replaces
 
 
-def set_aside_checkpoint(out_dir, inputs):
+def set_aside_checkpoint(out_dir, inputs, move=True):
     """At a fresh start in out_dir: an earlier run's checkpoint there becomes NAME.prev until this run's
     first save replaces it. Else a crash before that save would leave it to be taken for this run's
     (init_from='resume' would continue the other run under this one's settings; sample.py would sample
     it). One that is, holds or is in a path of `inputs` (this run's init_from) stays; an input that is
-    (or is in) a NAME.prev, which this run's first save removes, is refused (ValueError) first."""
-    inputs = {os.path.realpath(p) for p in inputs}
+    (or is in) a NAME.prev, which this run's first save removes, is refused (ValueError) first: alone,
+    with move=False, on every rank before any work."""
+    inputs = {os.path.realpath(p) for p in inputs if p}
 
     def within(a, b):
         return a == b or a.startswith(b + os.sep)
@@ -291,9 +292,9 @@ def set_aside_checkpoint(out_dir, inputs):
         return any(within(i, os.path.realpath(path)) for i in inputs)
 
     if prevs := [n + ".prev" for n in CHECKPOINT_NAMES if holds_input(os.path.join(out_dir, n + ".prev"))]:
-        raise ValueError(f"init_from is {os.path.join(out_dir, prevs[0])}, an earlier run's checkpoint set aside, which "
-                         f"this run's first checkpoint removes; copy it out of {out_dir}, or give this run another out_dir")
-    for name in CHECKPOINT_NAMES:
+        raise ValueError(f"this run reads {os.path.join(out_dir, prevs[0])}, an earlier run's checkpoint set aside, which "
+                         f"its first checkpoint removes; copy it out of {out_dir}, or give this run another out_dir")
+    for name in CHECKPOINT_NAMES if move else ():
         path = os.path.join(out_dir, name)
         if os.path.lexists(path) and not (holds_input(path) or any(within(os.path.realpath(path), i) for i in inputs)):
             _remove(path + ".prev")
@@ -334,7 +335,7 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     if asked is None:
         return ""
     theirs = ckpt["config"]
-    was = {k: theirs[k] for k in SCHEDULE if k in theirs and theirs[k] != config[k]}
+    was = {k: theirs[k] for k in SCHEDULE if theirs.get(k) is not None and theirs[k] != config[k]}
     # the decay's steps: lr_decay_iters, where either run sets it (not 0), else max_iters
     decay = "lr_decay_iters" if theirs.get("lr_decay_iters") or config["lr_decay_iters"] else "max_iters"
     if decay in theirs and (theirs.get("lr_decay_iters") or theirs["max_iters"]) != (config["lr_decay_iters"] or config["max_iters"]):

@@ -67,10 +67,10 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch, export_hf, export_meta,
-                        load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary, remove_earlier_outputs, save_adapter,
-                        save_training_checkpoint, set_aside_checkpoint, sharded_dir, source_generation, source_stop_ids, stop_ids,
-                        tokenizer_of)
+from checkpoint import (CHECKPOINT_NAMES, TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch,
+                        export_hf, export_meta, load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary,
+                        remove_earlier_outputs, save_adapter, save_training_checkpoint, set_aside_checkpoint, sharded_dir,
+                        source_generation, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
                    flops_per_token, fuse_fake_quant, initial_scales, learn_scales, mark_only_lora_trainable, merge_lora, peak_flops,
@@ -205,6 +205,17 @@ for name, path in (("init_from", resume_path if init_from == "resume" else init_
     if path != "scratch" and not os.path.exists(path):
         fail(f"{name}={globals()[name]!r}: {path} does not exist; give a nanotune checkpoint or a Meta / HF directory"
              + (" ('resume' needs a run in out_dir)" if path == resume_path else ""))
+inputs = [p for p in (resume_path if init_from == "resume" else init_from, None if from_store else teacher_init) if p != "scratch"]
+# a fresh run sets an earlier one's checkpoint in out_dir aside (below), so never reads one that is;
+# and the student's checkpoints replace out_dir's, so the teacher is never one of them
+try:
+    set_aside_checkpoint(out_dir, inputs, move=False)
+except ValueError as e:
+    fail(str(e))
+if not from_store and not topk_write and os.path.realpath(teacher_init) in {os.path.realpath(p) for p in (
+        out_dir, *(os.path.join(out_dir, n) for n in CHECKPOINT_NAMES))}:
+    fail(f"teacher_init={teacher_init!r} is this run's own checkpoint in out_dir, which its first save replaces; "
+         f"copy the teacher elsewhere, or give this run another out_dir")
 if not lora_rank and (unused := [k for k in ("lora_alpha", "lora_dropout", "lora_targets") if k in overridden]):
     fail(f"{', '.join(unused)} only matter with LoRA, and lora_rank=0; set lora_rank or drop them")
 if kd_divergence != "jsd" and "jsd_beta" in overridden:
@@ -464,23 +475,16 @@ torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores 
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
-# one run at a time in out_dir (checkpoint.lock_dir); a fresh run sets an earlier one's checkpoint
-# aside, never to be taken for its own (checkpoint.set_aside_checkpoint)
-inputs = [p for p in (resume_path if init_from == "resume" else init_from, teacher_init) if p and p != "scratch"]
-setup_error = [None]
+# one run at a time in out_dir (checkpoint.lock_dir)
+lock_error = [None]
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
     if topk_write:  # what this run writes is the store (out_dir gets the tokenizer's copy alone)
         os.makedirs(teacher_topk_dir, exist_ok=True)
-    dir_lock, setup_error[0] = lock_dir(teacher_topk_dir if topk_write else out_dir)
-    if not setup_error[0] and init_from != "resume" and not topk_write:
-        try:
-            set_aside_checkpoint(out_dir, inputs)
-        except ValueError as e:
-            setup_error[0] = str(e)
-dist.broadcast_object_list(setup_error, src=0)  # every rank stops, not rank 0 alone
-if setup_error[0]:
-    fail(setup_error[0])
+    dir_lock, lock_error[0] = lock_dir(teacher_topk_dir if topk_write else out_dir)
+dist.broadcast_object_list(lock_error, src=0)  # every rank stops, not rank 0 alone
+if lock_error[0]:
+    fail(lock_error[0])
 if master_process:
     # the data's tokenizer beside each checkpoint, to sample and export it with, and no other (in an
     # out_dir this run holds): an earlier run's would be read with it, or instead of it
@@ -1096,6 +1100,8 @@ log_file = None
 if master_process:
     # checkpoint.py: an earlier run's exports, not this one's, and a killed run's temp files if out_dir is locked
     remove_earlier_outputs(out_dir, inputs, locked=dir_lock is not None and not topk_write)
+    if init_from != "resume":  # an earlier run's checkpoint: set aside, never taken for this run's
+        set_aside_checkpoint(out_dir, inputs)
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")

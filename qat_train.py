@@ -163,6 +163,12 @@ resume_path = (sharded_dir(out_dir) or os.path.join(out_dir, "ckpt.pt")) if init
 sharded_from = sharded_dir(resume_path) if init_from != "scratch" else None  # weights read shard by shard
 if init_from != "scratch" and not os.path.exists(resume_path):
     fail(f"init_from={init_from!r}: {resume_path} does not exist; give 'scratch', 'resume' (after a run in out_dir) or a checkpoint")
+inputs = [resume_path] if init_from != "scratch" else []
+# a fresh run sets an earlier one's checkpoint in out_dir aside (below), so never reads one that is
+try:
+    set_aside_checkpoint(out_dir, inputs, move=False)
+except ValueError as e:
+    fail(str(e))
 if init_from == "scratch" and preset not in PRESETS:
     fail(f"preset={preset!r} is unknown; choose from {sorted(PRESETS)}")
 try:
@@ -279,21 +285,14 @@ torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores 
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 param_dtype = torch.float32 if mixed_precision else ptdtype
-# one run at a time in out_dir (checkpoint.lock_dir); a fresh run sets an earlier one's checkpoint
-# aside, never to be taken for its own (checkpoint.set_aside_checkpoint)
-inputs = [resume_path] if init_from != "scratch" else []
-setup_error = [None]
+# one run at a time in out_dir (checkpoint.lock_dir)
+lock_error = [None]
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
-    out_dir_lock, setup_error[0] = lock_dir(out_dir)
-    if not setup_error[0] and init_from != "resume" and not convert_only:
-        try:
-            set_aside_checkpoint(out_dir, inputs)
-        except ValueError as e:
-            setup_error[0] = str(e)
-dist.broadcast_object_list(setup_error, src=0)  # every rank stops, not rank 0 alone
-if setup_error[0]:
-    fail(setup_error[0])
+    out_dir_lock, lock_error[0] = lock_dir(out_dir)
+dist.broadcast_object_list(lock_error, src=0)  # every rank stops, not rank 0 alone
+if lock_error[0]:
+    fail(lock_error[0])
 if master_process:
     # the data's tokenizer beside each checkpoint, to sample and export it with, and no other: an
     # earlier run's would be read with it, or instead of it
@@ -646,6 +645,8 @@ log_file = None
 if master_process:
     # checkpoint.py: an earlier run's exports, not this one's, and a killed run's temp files if out_dir is locked
     remove_earlier_outputs(out_dir, inputs, locked=out_dir_lock is not None)
+    if init_from != "resume" and not convert_only:  # an earlier run's checkpoint: set aside, never taken for this run's
+        set_aside_checkpoint(out_dir, inputs)
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")

@@ -399,7 +399,7 @@ def test_set_aside_checkpoint_keeps_this_runs_input(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.prev", "ckpt.pt"]
     # a set-aside checkpoint as this run's input: the run's first save would remove it
     for given in (tmp_path / "ckpt.prev", tmp_path / "ckpt.prev" / "state.pt"):
-        with pytest.raises(ValueError, match=r"init_from is .*ckpt.prev, an earlier run's checkpoint set aside"):
+        with pytest.raises(ValueError, match=r"this run reads .*ckpt.prev, an earlier run.s checkpoint set aside"):
             set_aside_checkpoint(tmp_path, (str(given),))
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.prev", "ckpt.pt"]  # nothing moved
 

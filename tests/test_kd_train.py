@@ -303,6 +303,11 @@ def test_non_finite_teacher(setup, tmp_path):
     assert code == 2 and (f"step 1: the KD term is not finite; stopped, and no checkpoint was written; check the teacher "
                           f"({tmp_path / 'inf_teacher.pt'})") in err, err[-2000:]
     assert not (tmp_path / "half" / "ckpt.pt").exists() and (tmp_path / "half" / "ckpt.pt.prev").exists()
+    # a teacher in out_dir's checkpoint would be replaced by the student's first save
+    shutil.copyfile(setup["teacher"], tmp_path / "half" / "ckpt.pt")
+    r = run("kd_train.py", check=False, env=ENV, **dict(common, out_dir=str(tmp_path / "half"),
+                                                        teacher_init=str(tmp_path / "half" / "ckpt.pt")))
+    assert r.returncode == 2 and "is this run's own checkpoint in out_dir, which its first save replaces" in r.stderr, r.stderr
 
 
 # -----------------------------------------------------------------------------

@@ -380,12 +380,18 @@ def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_none_to_resume(tr
     # settings and log, sample.py would take it for this run's
     out = tmp_path / "run"
     shutil.copytree(train(), out)
+    # a run refused before it starts moves nothing
+    r = run(SCRIPT, check=False, **{**BASE, "data_dir": data, "out_dir": out, "batch_size": 1000})
+    assert r.returncode == 2 and "fewer than one step's" in r.stderr and (out / "ckpt.pt").exists(), r.stderr[-2000:]
     r = run(SCRIPT, check=False, **{**BASE, "data_dir": data, "out_dir": out, "learning_rate": 1e30, "ckpt_interval": 100})
     assert r.returncode == 2 and "no checkpoint was written" in r.stderr, r.stderr[-2000:]
     assert f"{out / 'ckpt.pt'} held an earlier run's checkpoint: moved to ckpt.pt.prev" in r.stdout
     assert not (out / "ckpt.pt").exists() and (out / "ckpt.pt.prev").exists()
     r = run(SCRIPT, check=False, **{**BASE, "data_dir": data, "out_dir": out, "init_from": "resume"})
     assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr[-2000:]
+    # a set-aside checkpoint as a run's input: that run's first save would remove it
+    r = run(SCRIPT, check=False, **{**FINETUNE, "data_dir": data, "out_dir": out, "init_from": str(out / "ckpt.pt.prev")})
+    assert r.returncode == 2 and "an earlier run's checkpoint set aside, which its first checkpoint removes" in r.stderr
     # kept until this run's first save replaces it
     run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": out, "max_iters": 1})
     assert (out / "ckpt.pt").exists() and not (out / "ckpt.pt.prev").exists()
