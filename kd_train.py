@@ -1099,7 +1099,8 @@ def _json_or_none(line):
 log_file = None
 if master_process:
     # checkpoint.py: an earlier run's exports, not this one's, and a killed run's temp files if out_dir is locked
-    remove_earlier_outputs(out_dir, inputs, locked=dir_lock is not None and not topk_write)
+    # (a store's teacher, though not read, is kept as an input is)
+    remove_earlier_outputs(out_dir, (*inputs, teacher_init), locked=dir_lock is not None and not topk_write)
     if init_from != "resume":  # an earlier run's checkpoint: set aside, never taken for this run's
         set_aside_checkpoint(out_dir, inputs)
     log_path = os.path.join(out_dir, "log.jsonl")
