@@ -258,9 +258,8 @@ def remove_earlier_outputs(out_dir, inputs, locked):
     inputs = {os.path.realpath(p) for p in inputs if p}
 
     def remove(path, why):
-        real = os.path.realpath(path)
-        if not any(i == real or i.startswith(real + os.sep) for i in inputs):
-            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        if not any(_within(i, os.path.realpath(path)) for i in inputs):
+            _remove(path)
             print(f"removed {path}: {why}")
 
     for name in FINAL_OUTPUTS:
@@ -285,18 +284,15 @@ def set_aside_checkpoint(out_dir, inputs, move=True):
     with move=False, on every rank before any work."""
     inputs = {os.path.realpath(p) for p in inputs if p}
 
-    def within(a, b):
-        return a == b or a.startswith(b + os.sep)
-
     def holds_input(path):
-        return any(within(i, os.path.realpath(path)) for i in inputs)
+        return any(_within(i, os.path.realpath(path)) for i in inputs)
 
     if prevs := [n + ".prev" for n in CHECKPOINT_NAMES if holds_input(os.path.join(out_dir, n + ".prev"))]:
         raise ValueError(f"this run reads {os.path.join(out_dir, prevs[0])}, an earlier run's checkpoint set aside, which "
                          f"its first checkpoint removes; copy it out of {out_dir}, or give this run another out_dir")
     for name in CHECKPOINT_NAMES if move else ():
         path = os.path.join(out_dir, name)
-        if os.path.lexists(path) and not (holds_input(path) or any(within(os.path.realpath(path), i) for i in inputs)):
+        if os.path.lexists(path) and not (holds_input(path) or any(_within(os.path.realpath(path), i) for i in inputs)):
             _remove(path + ".prev")
             os.replace(path, path + ".prev")
             print(f"{path} held an earlier run's checkpoint: moved to {name}.prev until this run saves its own")
@@ -673,6 +669,11 @@ def _plain(state_dict, args):
     if args.tie_embeddings:  # one tensor under both names, whether or not the caller passed both
         sd["output.weight"] = sd["tok_embeddings.weight"]
     return sd
+
+
+def _within(a, b):
+    """Whether path a is b or inside it (both real paths)."""
+    return a == b or a.startswith(b + os.sep)
 
 
 def _remove(path):
