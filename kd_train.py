@@ -158,7 +158,8 @@ profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in 
 peak_flops_per_device = 0.0  # for MFU; 0: a table for known GPUs, a measured matmul on CPU
 seed = 1337
 # -----------------------------------------------------------------------------
-from configurator import TRAINING_ONLY, ConfigError, check_training, command_line_keys, configure
+from configurator import (TRAINING_ONLY, ConfigError, check_training, code_digest, command_line_keys, configure,
+                          ranks_disagree)
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
                                                     "log_interval", "ckpt_interval", "kd_temperature",
@@ -171,9 +172,13 @@ local_rank = int(os.environ.get("LOCAL_RANK", 0))
 master_process = rank == 0
 
 
+compared = False  # whether the processes have found that they run one job (below)
+
+
 def fail(msg):
-    if master_process:
-        print(f"error: {msg}", file=sys.stderr)
+    # until then a node may fail alone, on files of its own: the first process of each node says why
+    if master_process or (local_rank == 0 and not compared):
+        print(f"error{f' (rank {rank})' if rank else ''}: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -200,12 +205,12 @@ sharded_from = resume_path if init_from == "resume" and sharded_dir(resume_path)
 if topk_write and not teacher_topk_dir:
     teacher_topk_dir = config["teacher_topk_dir"] = os.path.join(data_dir, "teacher_topk")
 from_store = bool(teacher_topk_dir) and not topk_write  # distill from the store: no teacher is loaded
-for name, path in (("init_from", resume_path if init_from == "resume" else init_from),
-                   ("teacher_init", "scratch" if from_store else teacher_init)):
+sources = {"init_from": resume_path if init_from == "resume" else init_from, "teacher_init": "scratch" if from_store else teacher_init}
+for name, path in sources.items():
     if path != "scratch" and not os.path.exists(path):
         fail(f"{name}={globals()[name]!r}: {path} does not exist; give a nanotune checkpoint or a Meta / HF directory"
              + (" ('resume' needs a run in out_dir)" if path == resume_path else ""))
-inputs = [p for p in (resume_path if init_from == "resume" else init_from, None if from_store else teacher_init) if p != "scratch"]
+inputs = [p for p in sources.values() if p != "scratch"]
 # a fresh run sets an earlier one's checkpoint in out_dir aside (below), so never reads one that is;
 # and the student's checkpoints replace out_dir's, so the teacher is never one of them
 try:
@@ -470,6 +475,18 @@ else:
 # one gradient reduction per step instead of every parameter gather
 mesh = init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree) if replicate_degree > 1 else (world_size,),
                         mesh_dim_names=("replicate", "shard") if replicate_degree > 1 else None)
+# every process must run one job. Each node reads its own copy of the code, the config, the data and
+# the checkpoints: one that differs (a config edited on one node, data prepared again there) would
+# train on beside the others without a word. Paths may differ between nodes; what they hold may not
+job = {**{k: v for k, v in config.items() if k not in ("out_dir", "data_dir", "init_from", "teacher_init", "teacher_topk_dir")},
+       "init_from": init_from if init_from in ("scratch", "resume") else "a checkpoint", "code": code_digest(__file__),
+       "data": data_meta.get("data") or {}, "tokenizer": data_tokenizer or {}, "store": store_meta or {},
+       "checkpoints": {name: checkpoint_digest(p) for name, p in sources.items() if p != "scratch"}}
+jobs = [None] * world_size
+dist.all_gather_object(jobs, job)
+compared = True
+if disagreement := ranks_disagree(jobs):
+    fail(disagreement)
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (the GPU peak table assumes it)
 torch.backends.cudnn.allow_tf32 = True

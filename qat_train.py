@@ -45,9 +45,10 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, export_executorch, export_hf, export_meta, load_checkpoint,
-                        load_sharded_checkpoint, lock_dir, pte_summary, remove_earlier_outputs, save_training_checkpoint,
-                        set_aside_checkpoint, sharded_dir, source_generation, source_stop_ids, stop_ids, tokenizer_of)
+from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch, export_hf, export_meta,
+                        load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary, remove_earlier_outputs,
+                        save_training_checkpoint, set_aside_checkpoint, sharded_dir, source_generation, source_stop_ids,
+                        stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
                    initial_scales, learn_scales, merge_lora, peak_flops, restart_scales, weights_only)
@@ -121,7 +122,8 @@ profile_wait, profile_warmup, profile_active = 5, 2, 3  # profiler schedule, in 
 peak_flops_per_device = 0.0  # for MFU; 0: a table for known GPUs, a measured matmul on CPU
 seed = 1337
 # -----------------------------------------------------------------------------
-from configurator import TRAINING_ONLY, ConfigError, check_training, command_line_keys, configure
+from configurator import (TRAINING_ONLY, ConfigError, check_training, code_digest, command_line_keys, configure,
+                          ranks_disagree)
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
                                                     "log_interval", "ckpt_interval", "group_size", "grad_clip",
@@ -134,9 +136,13 @@ local_rank = int(os.environ.get("LOCAL_RANK", 0))
 master_process = rank == 0
 
 
+compared = False  # whether the processes have found that they run one job (below)
+
+
 def fail(msg):
-    if master_process:
-        print(f"error: {msg}", file=sys.stderr)
+    # until then a node may fail alone, on files of its own: the first process of each node says why
+    if master_process or (local_rank == 0 and not compared):
+        print(f"error{f' (rank {rank})' if rank else ''}: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -280,6 +286,18 @@ else:
 # one gradient reduction per step instead of every parameter gather
 mesh = init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree) if replicate_degree > 1 else (world_size,),
                         mesh_dim_names=("replicate", "shard") if replicate_degree > 1 else None)
+# every process must run one job. Each node reads its own copy of the code, the config, the data and
+# the checkpoints: one that differs (a config edited on one node, data prepared again there) would
+# train on beside the others without a word. Paths may differ between nodes; what they hold may not
+job = {**{k: v for k, v in config.items() if k not in ("out_dir", "data_dir", "init_from")},
+       "init_from": init_from if init_from in ("scratch", "resume") else "a checkpoint", "code": code_digest(__file__),
+       "data": data_meta.get("data") or {}, "tokenizer": data_tokenizer or {},
+       "checkpoints": {"init_from": checkpoint_digest(resume_path)} if inputs else {}}
+jobs = [None] * world_size
+dist.all_gather_object(jobs, job)
+compared = True
+if disagreement := ranks_disagree(jobs):
+    fail(disagreement)
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (the GPU peak table assumes it)
 torch.backends.cudnn.allow_tf32 = True

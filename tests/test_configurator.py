@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from configurator import ConfigError, apply_config, check_training, config_keys, configure  # noqa: E402
+from configurator import ConfigError, apply_config, check_training, config_keys, configure, ranks_disagree  # noqa: E402
 
 
 def make_globals():
@@ -270,3 +270,14 @@ def test_check_training_resolves_bits_and_accumulation():
     assert check_training(TRAINING, [], 4) == ((8, 4), 4)  # 0: one micro-batch per process
     assert check_training({**TRAINING, "quantizer": "2w", "gradient_accumulation_steps": 8}, [], 2) == ((None, 2), 8)
     assert check_training({**TRAINING, "quantizer": "none"}, [], 1) == (None, 1)
+
+
+def test_ranks_disagree_names_what_differs():
+    job = {"learning_rate": 3e-4, "code": {"model.py": "a", "torch": "2.13.0"}, "note": "x" * 80}
+    assert ranks_disagree([job, dict(job)]) is None
+    other = {**job, "code": {"model.py": "b", "torch": "2.13.0"}, "note": "y" * 80}
+    assert ranks_disagree([job, job, {**job, "learning_rate": 1e-4}, other]).startswith(
+        "the processes were not given one job: rank 2 (and 1 more) differs from rank 0 in learning_rate (0.0003 on rank 0, "
+        "0.0001 on rank 2). ")
+    # digests by the names of their parts; values too long to read by name alone
+    assert "rank 1 differs from rank 0 in code (model.py); note. " in ranks_disagree([job, other])

@@ -4,6 +4,8 @@ a save; the single-file conversion of one; and the memory plan's activation form
 bytes autograd really saves."""
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from checkpoint import load_checkpoint  # noqa: E402
-from conftest import make_data, read_log, run  # noqa: E402
+from conftest import command, make_data, read_log, run, script_env  # noqa: E402
 from model import PRESETS, ModelArgs, Transformer  # noqa: E402
 
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -141,3 +143,81 @@ def test_kd_sharded_resume_on_another_process_count(data, tmp_path):
     # a teacher is read from one file: a sharded one is refused with the line that converts it
     r = run("kd_train.py", check=False, env=ENV, **{**settings, "teacher_init": str(straight)}, out_dir=tmp_path / "x")
     assert r.returncode == 2 and "dcp_to_torch_save" in r.stderr, r.stderr[-2000:]
+
+
+def two_nodes(nodes, first_to_end=None, timeout=300):
+    """Runs a job as two one-process nodes of torchrun on this machine: nodes holds (script, settings)
+    for each, so each can read its own files. Returns their CompletedProcesses. first_to_end: the node
+    to wait for alone, after which the other one is stopped (it waits on its peer)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node, (script, settings) in enumerate(nodes):
+        argv = command(script, **settings)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
+                    "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0"]
+        procs.append(subprocess.Popen([*launcher, *argv[1:]], cwd=ROOT, env=script_env(ENV), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    if first_to_end is not None:
+        procs[first_to_end].wait(timeout=timeout)
+        procs[1 - first_to_end].kill()
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def errors(r):
+    return [line for line in r.stderr.splitlines() if line.startswith("error")]
+
+
+def test_nodes_that_were_given_other_jobs_are_refused(data, tmp_path):
+    # each node reads its own config, data and code: one that differs would train on beside the others
+    settings = {**BASE, "data_dir": data, "max_iters": 2, "sharded_checkpoint": False}
+    other_data = make_data(tmp_path / "other", seed=1)
+    node0, node1 = two_nodes([("qat_train.py", {**settings, "out_dir": tmp_path / "a"}),
+                              ("qat_train.py", {**settings, "out_dir": tmp_path / "a", "data_dir": other_data,
+                                                "learning_rate": 5e-3})])
+    assert node0.returncode and node1.returncode
+    assert errors(node0) == ["error: the processes were not given one job: rank 1 differs from rank 0 in learning_rate (0.01 on "
+                             "rank 0, 0.005 on rank 1); data (train.bin, val.bin). Each node reads its own code, config, data "
+                             "and checkpoints: make them the same on every node"]
+    assert errors(node1) == []  # said once
+    assert not (tmp_path / "a").exists()  # refused before anything was written
+    # paths may differ between nodes, what they hold may not: here the code on node 1
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in ROOT.glob("*.py"):
+        shutil.copy(f, copy)
+    with open(copy / "model.py", "a") as f:
+        f.write("# edited on one node\n")
+    node0, node1 = two_nodes([("qat_train.py", {**settings, "out_dir": tmp_path / "a"}),
+                              (copy / "qat_train.py", {**settings, "out_dir": tmp_path / "b",
+                                                       "data_dir": shutil.copytree(data, tmp_path / "same")})])
+    assert node0.returncode and node1.returncode
+    assert errors(node0) == ["error: the processes were not given one job: rank 1 differs from rank 0 in code (model.py). "
+                             "Each node reads its own code, config, data and checkpoints: make them the same on every node"]
+
+
+def test_a_node_that_fails_alone_says_why(data, tmp_path):
+    # its files are its own: before the processes compare their jobs, the first process of every node speaks
+    settings = {**BASE, "out_dir": tmp_path / "out", "max_iters": 2}
+    node0, node1 = two_nodes([("qat_train.py", {**settings, "data_dir": data}),
+                              ("qat_train.py", {**settings, "data_dir": tmp_path / "absent"})], first_to_end=1)
+    assert node1.returncode
+    assert errors(node1) == [f"error (rank 1): {tmp_path / 'absent' / 'train.bin'} is missing; run data_prep.py --out_dir "
+                             f"{tmp_path / 'absent'} first"]
+    assert errors(node0) == []
+
+
+def test_kd_nodes_with_other_teachers_are_refused(data, tmp_path):
+    settings = dict(data_dir=data, init_from=toy_checkpoint(tmp_path / "s.pt", 2), out_dir=tmp_path / "out", batch_size=4,
+                    block_size=32, max_iters=2, eval_iters=1)
+    node0, node1 = two_nodes([("kd_train.py", {**settings, "teacher_init": toy_checkpoint(tmp_path / "t.pt", 1)}),
+                              ("kd_train.py", {**settings, "teacher_init": toy_checkpoint(tmp_path / "t1.pt", 3)})])
+    assert node0.returncode and node1.returncode
+    assert errors(node0) == ["error: the processes were not given one job: rank 1 differs from rank 0 in checkpoints "
+                             "(teacher_init). Each node reads its own code, config, data and checkpoints: make them the "
+                             "same on every node"]
