@@ -502,6 +502,30 @@ if master_process:
 dist.broadcast_object_list(lock_error, src=0)  # every rank stops, not rank 0 alone
 if lock_error[0]:
     fail(lock_error[0])
+# a store's rows (topk_write) and sharded checkpoints are written by every process into one directory:
+# a path local to each node would split them between the nodes, unreadable, without a word. Rank 0
+# leaves a mark every process must see
+shared_dir = teacher_topk_dir if topk_write else out_dir
+if world_size > 1 and (topk_write or sharded_checkpoint):
+    mark = [f"{os.getpid()} {time.time_ns()}" if master_process else None]
+    mark_path = os.path.join(shared_dir, ".shared")
+    if master_process:
+        with open(mark_path, "w") as f:
+            f.write(mark[0])
+    dist.broadcast_object_list(mark, src=0)
+    try:
+        with open(mark_path) as f:
+            seen = f.read() == mark[0]
+    except OSError:
+        seen = False
+    seen_by = [None] * world_size
+    dist.all_gather_object(seen_by, seen)
+    if master_process:
+        os.remove(mark_path)
+    if blind := [r for r, s in enumerate(seen_by) if not s]:
+        fail(f"every process writes its {'rows of the store' if topk_write else 'checkpoint shards'} into {shared_dir}, "
+             f"which rank(s) {', '.join(map(str, blind))} cannot see as rank 0 does (a directory local to each node?); "
+             f"give a directory that every node shares")
 if master_process:
     # the data's tokenizer beside each checkpoint, to sample and export it with, and no other (in an
     # out_dir this run holds): an earlier run's would be read with it, or instead of it

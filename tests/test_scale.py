@@ -221,3 +221,23 @@ def test_kd_nodes_with_other_teachers_are_refused(data, tmp_path):
     assert errors(node0) == ["error: the processes were not given one job: rank 1 differs from rank 0 in checkpoints "
                              "(teacher_init). Each node reads its own code, config, data and checkpoints: make them the "
                              "same on every node"]
+
+
+def test_nodes_must_share_the_directory_they_all_write(data, tmp_path):
+    # sharded checkpoints and a store's rows: in a directory local to each node, split between them
+    settings = {**BASE, "data_dir": data, "max_iters": 2}
+    node0, node1 = two_nodes([("qat_train.py", {**settings, "out_dir": tmp_path / "a"}),
+                              ("qat_train.py", {**settings, "out_dir": tmp_path / "b"})])
+    assert node0.returncode and node1.returncode
+    assert errors(node0) == [f"error: sharded_checkpoint=True has every process write its shards into {tmp_path / 'a'}, which "
+                             f"rank(s) 1 cannot see as rank 0 does (a directory local to each node?); give an out_dir that "
+                             f"every node shares"]
+    assert os.listdir(tmp_path / "a") == [".lock"] and not (tmp_path / "b").exists()  # the mark is gone
+    settings = dict(data_dir=data, teacher_init=toy_checkpoint(tmp_path / "t.pt", 1), topk_write=True, teacher_topk=8,
+                    batch_size=4, block_size=32, out_dir=tmp_path / "kd")
+    node0, node1 = two_nodes([("kd_train.py", {**settings, "teacher_topk_dir": tmp_path / "s0"}),
+                              ("kd_train.py", {**settings, "teacher_topk_dir": tmp_path / "s1"})])
+    assert node0.returncode and node1.returncode
+    assert errors(node0) == [f"error: every process writes its rows of the store into {tmp_path / 's0'}, which rank(s) 1 "
+                             f"cannot see as rank 0 does (a directory local to each node?); give a directory that every "
+                             f"node shares"]
