@@ -29,8 +29,8 @@ import ast
 import builtins
 import difflib
 import hashlib
-import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -267,11 +267,11 @@ def check_training(c, overridden, world_size):
 def code_digest(script):
     """What code a process runs: the sha256 of the script and of each module it imported from beside
     it (model.py, ...), by file name, and the torch and torchao versions."""
-    here = os.path.dirname(os.path.abspath(script))
-    files = {os.path.abspath(script)} | {os.path.abspath(f) for m in list(sys.modules.values())
-                                         if isinstance(f := getattr(m, "__file__", None), str) and os.path.isabs(f)
-                                         and os.path.dirname(f) == here and os.path.isfile(f)}
-    code = {"torch": torch.__version__, "torchao": importlib.metadata.version("torchao")}
+    here = os.path.dirname(os.path.realpath(script))  # where Python found the modules beside it
+    files = {os.path.realpath(script)} | {os.path.realpath(f) for m in list(sys.modules.values())
+                                          if isinstance(f := getattr(m, "__file__", None), str) and os.path.isabs(f)
+                                          and os.path.dirname(os.path.realpath(f)) == here and os.path.isfile(f)}
+    code = {"torch": torch.__version__, "torchao": getattr(sys.modules.get("torchao"), "__version__", None)}
     for file in sorted(files):
         with open(file, "rb") as f:
             code[os.path.basename(file)] = hashlib.sha256(f.read()).hexdigest()
@@ -281,7 +281,10 @@ def code_digest(script):
 def ranks_disagree(jobs):
     """A line naming what the processes disagree on, given each rank's account of its job (a flat
     dict: settings, and what it read: code, data and checkpoint digests), or None when all agree."""
-    odd = [r for r, job in enumerate(jobs) if job != jobs[0]]
+    def same(a, b):  # as JSON, so that a NaN (a store's teacher_val_loss, say) equals itself
+        return json.dumps(a, sort_keys=True, default=repr) == json.dumps(b, sort_keys=True, default=repr)
+
+    odd = [r for r, job in enumerate(jobs) if not same(job, jobs[0])]
     if not odd:
         return None
     mine, theirs, r = jobs[0], jobs[odd[0]], odd[0]
@@ -289,10 +292,10 @@ def ranks_disagree(jobs):
     def difference(k):
         a, b = mine.get(k), theirs.get(k)
         if isinstance(a, dict) and isinstance(b, dict):  # digests: the names of the parts that differ
-            return f"{k} ({', '.join(n for n in {**a, **b} if a.get(n) != b.get(n))})"
+            return f"{k} ({', '.join(n for n in {**a, **b} if not same(a.get(n), b.get(n)))})"
         return f"{k} ({a!r} on rank 0, {b!r} on rank {r})" if len(repr(a)) + len(repr(b)) < 100 else k
 
     others = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
     return (f"the processes were not given one job: rank {r}{others} differs from rank 0 in "
-            f"{'; '.join(difference(k) for k in {**mine, **theirs} if mine.get(k) != theirs.get(k))}. Each node reads its "
+            f"{'; '.join(difference(k) for k in {**mine, **theirs} if not same(mine.get(k), theirs.get(k)))}. Each node reads its "
             f"own code, config, data and checkpoints: make them the same on every node")

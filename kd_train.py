@@ -477,11 +477,14 @@ mesh = init_device_mesh(device_type, (replicate_degree, world_size // replicate_
                         mesh_dim_names=("replicate", "shard") if replicate_degree > 1 else None)
 # every process must run one job. Each node reads its own copy of the code, the config, the data and
 # the checkpoints: one that differs (a config edited on one node, data prepared again there) would
-# train on beside the others without a word. Paths may differ between nodes; what they hold may not
-job = {**{k: v for k, v in config.items() if k not in ("out_dir", "data_dir", "init_from", "teacher_init", "teacher_topk_dir")},
+# train on beside the others without a word. Paths may differ between nodes, and what rank 0 alone
+# uses (names in logs, the MFU's peak); what the paths hold may not. A sharded checkpoint by its state.pt
+job = {**{k: v for k, v in config.items() if k not in ("out_dir", "data_dir", "init_from", "teacher_init", "teacher_topk_dir",
+                                                        "wandb_project", "wandb_run_name", "peak_flops_per_device")},
        "init_from": init_from if init_from in ("scratch", "resume") else "a checkpoint", "code": code_digest(__file__),
        "data": data_meta.get("data") or {}, "tokenizer": data_tokenizer or {}, "store": store_meta or {},
-       "checkpoints": {name: checkpoint_digest(p) for name, p in sources.items() if p != "scratch"}}
+       "checkpoints": {"init_from": None if init_from == "scratch" else checkpoint_digest(
+           os.path.join(sharded_from, "state.pt") if sharded_from else sources["init_from"]), "teacher_init": teacher_digest}}
 jobs = [None] * world_size
 dist.all_gather_object(jobs, job)
 compared = True

@@ -288,11 +288,14 @@ mesh = init_device_mesh(device_type, (replicate_degree, world_size // replicate_
                         mesh_dim_names=("replicate", "shard") if replicate_degree > 1 else None)
 # every process must run one job. Each node reads its own copy of the code, the config, the data and
 # the checkpoints: one that differs (a config edited on one node, data prepared again there) would
-# train on beside the others without a word. Paths may differ between nodes; what they hold may not
-job = {**{k: v for k, v in config.items() if k not in ("out_dir", "data_dir", "init_from")},
+# train on beside the others without a word. Paths may differ between nodes, and what rank 0 alone
+# uses (names in logs, the MFU's peak); what the paths hold may not. A sharded checkpoint by its state.pt
+job = {**{k: v for k, v in config.items() if k not in ("out_dir", "data_dir", "init_from", "wandb_project", "wandb_run_name",
+                                                        "peak_flops_per_device")},
        "init_from": init_from if init_from in ("scratch", "resume") else "a checkpoint", "code": code_digest(__file__),
        "data": data_meta.get("data") or {}, "tokenizer": data_tokenizer or {},
-       "checkpoints": {"init_from": checkpoint_digest(resume_path)} if inputs else {}}
+       "checkpoints": {"init_from": checkpoint_digest(os.path.join(sharded_from, "state.pt") if sharded_from else resume_path)}
+       if inputs else {}}
 jobs = [None] * world_size
 dist.all_gather_object(jobs, job)
 compared = True

@@ -281,3 +281,5 @@ def test_ranks_disagree_names_what_differs():
         "0.0001 on rank 2). ")
     # digests by the names of their parts; values too long to read by name alone
     assert "rank 1 differs from rank 0 in code (model.py); note. " in ranks_disagree([job, other])
+    nan = {**job, "store": {"teacher_val_loss": float("nan")}}
+    assert ranks_disagree([nan, {**nan, "store": {"teacher_val_loss": float("nan")}}]) is None

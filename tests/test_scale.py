@@ -153,20 +153,25 @@ def two_nodes(nodes, first_to_end=None, timeout=300):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for node, (script, settings) in enumerate(nodes):
-        argv = command(script, **settings)
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
-                    "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0"]
-        procs.append(subprocess.Popen([*launcher, *argv[1:]], cwd=ROOT, env=script_env(ENV), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    if first_to_end is not None:
-        procs[first_to_end].wait(timeout=timeout)
-        procs[1 - first_to_end].kill()
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return results
+    try:
+        for node, (script, settings) in enumerate(nodes):
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                        "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0"]
+            procs.append(subprocess.Popen([*launcher, *command(script, **settings)[1:]], cwd=ROOT, env=script_env(ENV),
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        if first_to_end is not None:
+            procs[first_to_end].wait(timeout=timeout)
+            procs[1 - first_to_end].terminate()  # torchrun passes it on to its worker, which runs in a session of its own
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=60)
 
 
 def errors(r):
@@ -199,6 +204,11 @@ def test_nodes_that_were_given_other_jobs_are_refused(data, tmp_path):
     assert node0.returncode and node1.returncode
     assert errors(node0) == ["error: the processes were not given one job: rank 1 differs from rank 0 in code (model.py). "
                              "Each node reads its own code, config, data and checkpoints: make them the same on every node"]
+    # the same job from other paths trains (each node its own out_dir: only rank 0 writes a single-file checkpoint)
+    node0, node1 = two_nodes([("qat_train.py", {**settings, "out_dir": tmp_path / "a"}),
+                              ("qat_train.py", {**settings, "out_dir": tmp_path / "b", "data_dir": tmp_path / "same"})])
+    assert node0.returncode == node1.returncode == 0, node0.stderr[-2000:] + node1.stderr[-2000:]
+    assert [r["iter"] for r in read_log(tmp_path / "a") if "loss" in r] == [1, 2]
 
 
 def test_a_node_that_fails_alone_says_why(data, tmp_path):
