@@ -748,13 +748,16 @@ def export_meta(state_dict, args, out_dir, tokenizer_files=(), provenance=None):
         params["head_dim"] = args.head_dim
     if args.sliding_window is not None:
         params["sliding_window"] = args.sliding_window
+    weights = _plain(state_dict, args)
     if args.rope_scaling is not None:
         params["use_scaled_rope"] = True
-        if args.rope_scaling != META_ROPE_SCALING or args.tie_embeddings:  # _load_meta gives tied models 32
+        # _load_meta gives 32 to a model it reads as tied: one whose output equals its embedding, tied
+        # or not (an untied model fresh from a tied one)
+        if args.rope_scaling != META_ROPE_SCALING or _same(weights.get("output.weight"), weights.get("tok_embeddings.weight")):
             params.update(zip(META_ROPE_KEYS, args.rope_scaling))
     with _atomic_dir(out_dir) as tmp:
         _write_json(params, os.path.join(tmp, "params.json"))
-        torch.save(_plain(state_dict, args), os.path.join(tmp, "consolidated.00.pth"))
+        torch.save(weights, os.path.join(tmp, "consolidated.00.pth"))
         # the context length goes to nanotune.json: Meta's loader passes max_seq_len beside params.json
         _finish(tmp, tokenizer_files, {**(provenance or {}), "max_seq_len": args.max_seq_len})
 

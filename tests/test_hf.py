@@ -267,6 +267,11 @@ def test_meta_llama32_scaled_rope_is_factor_32(tmp_path):
     args.rope_scaling_factor = 8.0
     export_meta(sd, args, tmp_path / "meta8")
     assert load_checkpoint(str(tmp_path / "meta8"))[0].rope_scaling == (8.0, 1.0, 4.0, 8192)
+    # so does an untied one whose output still equals its embedding (read back tied, the same logits)
+    untied = replace(args, tie_embeddings=False)
+    export_meta({**sd, "output.weight": sd["tok_embeddings.weight"].clone()}, untied, tmp_path / "untied")
+    args4, sd4 = load_checkpoint(str(tmp_path / "untied"))
+    assert args4.rope_scaling == (8.0, 1.0, 4.0, 8192) and torch.equal(nanotune_logits(args4, sd4), nanotune_logits(args, sd))
 
 
 def test_export_meta_round_trip_keeps_scaling_and_tie(tmp_path):
