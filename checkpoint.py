@@ -22,6 +22,8 @@ import pickle
 import re
 import shutil
 import tempfile
+import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import asdict
 from glob import glob
@@ -245,6 +247,28 @@ def lock_dir(path):
     return f, None
 
 
+def leave_mark(path):
+    """(name, None) of a new, empty file with a name of its own in directory path; or (None, the error)."""
+    name = f".shared.{os.getpid()}.{time.time_ns()}"
+    try:
+        open(os.path.join(path, name), "x").close()
+    except OSError as e:
+        return None, f"cannot write in {path} ({e.strerror}); give this run a directory it can write"
+    return name, None
+
+
+def sees_mark(path, name):
+    """Whether the file `name` (leave_mark's, on another node) is in directory path. An NFS client
+    trusts its cached "no such file" until the directory's attributes expire (acdirmax, 60 s by
+    default), so a miss is asked again for NANOTUNE_SHARED_WAIT seconds (default 90)."""
+    deadline = time.monotonic() + float(os.environ.get("NANOTUNE_SHARED_WAIT", 90))
+    while not os.path.exists(os.path.join(path, name)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1)
+    return True
+
+
 # what a finished run leaves in out_dir besides its checkpoint and log (either script's)
 FINAL_OUTPUTS = ("quantized.pt", "model.pte", "export_hf", "export_meta", "model.pt", "adapter")
 
@@ -367,8 +391,8 @@ def save_training_checkpoint(model, optimizers, small, out_dir, sharded):
     # DCP fsyncs each file it writes, and returns once rank 0 has written the index (.metadata)
     dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers), **small},
              checkpoint_id=tmp)
-    if master:
-        atomic_save(small, os.path.join(tmp, "state.pt"))
+    if master:  # with an id of its own: another save of the same step, config and seed is another checkpoint
+        atomic_save({**small, "save_id": uuid.uuid4().hex}, os.path.join(tmp, "state.pt"))
         # a directory cannot replace another in one rename: the previous one steps aside to
         # ckpt.old, which sharded_dir reads if a crash comes between the two renames
         if os.path.isdir(final):

@@ -267,10 +267,11 @@ def check_training(c, overridden, world_size):
 def code_digest(script):
     """What code a process runs: the sha256 of the script and of each module it imported from beside
     it (model.py, ...), by file name, and the torch and torchao versions."""
-    here = os.path.dirname(os.path.realpath(script))  # where Python found the modules beside it
+    # beside it: where the script is named, or where its link leads (where Python looks for modules)
+    here = {os.path.dirname(os.path.abspath(script)), os.path.dirname(os.path.realpath(script))}
     files = {os.path.realpath(script)} | {os.path.realpath(f) for m in list(sys.modules.values())
                                           if isinstance(f := getattr(m, "__file__", None), str) and os.path.isabs(f)
-                                          and os.path.dirname(os.path.realpath(f)) == here and os.path.isfile(f)}
+                                          and os.path.dirname(f) in here and os.path.isfile(f)}
     code = {"torch": torch.__version__, "torchao": getattr(sys.modules.get("torchao"), "__version__", None)}
     for file in sorted(files):
         with open(file, "rb") as f:

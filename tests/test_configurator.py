@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from configurator import ConfigError, apply_config, check_training, config_keys, configure, ranks_disagree  # noqa: E402
+from configurator import ConfigError, apply_config, check_training, config_keys, configure, code_digest, ranks_disagree  # noqa: E402
 
 
 def make_globals():
@@ -283,3 +284,23 @@ def test_ranks_disagree_names_what_differs():
     assert "rank 1 differs from rank 0 in code (model.py); note. " in ranks_disagree([job, other])
     nan = {**job, "store": {"teacher_val_loss": float("nan")}}
     assert ranks_disagree([nan, {**nan, "store": {"teacher_val_loss": float("nan")}}]) is None
+
+
+def test_code_digest_hashes_the_modules_beside_the_script(tmp_path, monkeypatch):
+    import torchao
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "repo" / "train.py").write_text("import helper\n")
+    (tmp_path / "elsewhere" / "helper.py").write_text("x = 1\n")
+    (tmp_path / "repo" / "helper.py").symlink_to(tmp_path / "elsewhere" / "helper.py")  # a module linked in
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / "train.py").symlink_to(tmp_path / "repo" / "train.py")  # the script run through a link
+    helper = types.ModuleType("helper")
+    helper.__file__ = str(tmp_path / "repo" / "helper.py")
+    monkeypatch.setitem(sys.modules, "helper", helper)
+    for script in (tmp_path / "repo" / "train.py", tmp_path / "link" / "train.py"):
+        code = code_digest(str(script))
+        assert sorted(code) == ["helper.py", "torch", "torchao", "train.py"] and code["torchao"] == torchao.__version__
+    before = code_digest(str(tmp_path / "repo" / "train.py"))
+    (tmp_path / "elsewhere" / "helper.py").write_text("x = 2\n")
+    assert code_digest(str(tmp_path / "repo" / "train.py"))["helper.py"] != before["helper.py"]

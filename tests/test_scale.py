@@ -145,7 +145,7 @@ def test_kd_sharded_resume_on_another_process_count(data, tmp_path):
     assert r.returncode == 2 and "dcp_to_torch_save" in r.stderr, r.stderr[-2000:]
 
 
-def two_nodes(nodes, first_to_end=None, timeout=300):
+def two_nodes(nodes, first_to_end=None, timeout=300, env=None):
     """Runs a job as two one-process nodes of torchrun on this machine: nodes holds (script, settings)
     for each, so each can read its own files. Returns their CompletedProcesses. first_to_end: the node
     to wait for alone, after which the other one is stopped (it waits on its peer)."""
@@ -157,7 +157,7 @@ def two_nodes(nodes, first_to_end=None, timeout=300):
         for node, (script, settings) in enumerate(nodes):
             launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
                         "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0"]
-            procs.append(subprocess.Popen([*launcher, *command(script, **settings)[1:]], cwd=ROOT, env=script_env(ENV),
+            procs.append(subprocess.Popen([*launcher, *command(script, **settings)[1:]], cwd=ROOT, env=script_env({**ENV, **(env or {})}),
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         if first_to_end is not None:
             procs[first_to_end].wait(timeout=timeout)
@@ -167,11 +167,16 @@ def two_nodes(nodes, first_to_end=None, timeout=300):
             out, err = p.communicate(timeout=timeout)
             results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
         return results
-    finally:
+    finally:  # nothing left running, whatever failed
         for p in procs:
             if p.poll() is None:
                 p.terminate()
-                p.wait(timeout=60)
+        for p in procs:
+            try:
+                p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
 
 
 def errors(r):
@@ -206,7 +211,8 @@ def test_nodes_that_were_given_other_jobs_are_refused(data, tmp_path):
                              "Each node reads its own code, config, data and checkpoints: make them the same on every node"]
     # the same job from other paths trains (each node its own out_dir: only rank 0 writes a single-file checkpoint)
     node0, node1 = two_nodes([("qat_train.py", {**settings, "out_dir": tmp_path / "a"}),
-                              ("qat_train.py", {**settings, "out_dir": tmp_path / "b", "data_dir": tmp_path / "same"})])
+                              ("qat_train.py", {**settings, "out_dir": tmp_path / "b", "data_dir": tmp_path / "same",
+                                                "peak_flops_per_device": 1e12})])  # rank 0's MFU alone reads it
     assert node0.returncode == node1.returncode == 0, node0.stderr[-2000:] + node1.stderr[-2000:]
     assert [r["iter"] for r in read_log(tmp_path / "a") if "loss" in r] == [1, 2]
 
@@ -236,17 +242,19 @@ def test_kd_nodes_with_other_teachers_are_refused(data, tmp_path):
 def test_nodes_must_share_the_directory_they_all_write(data, tmp_path):
     # sharded checkpoints and a store's rows: in a directory local to each node, split between them
     settings = {**BASE, "data_dir": data, "max_iters": 2}
+    (tmp_path / "b").mkdir()  # node 1's own out_dir
+    wait = {"NANOTUNE_SHARED_WAIT": "2"}  # for the mark to show (NFS caches a miss up to a minute)
     node0, node1 = two_nodes([("qat_train.py", {**settings, "out_dir": tmp_path / "a"}),
-                              ("qat_train.py", {**settings, "out_dir": tmp_path / "b"})])
+                              ("qat_train.py", {**settings, "out_dir": tmp_path / "b"})], env=wait)
     assert node0.returncode and node1.returncode
     assert errors(node0) == [f"error: sharded_checkpoint=True has every process write its shards into {tmp_path / 'a'}, which "
                              f"rank(s) 1 cannot see as rank 0 does (a directory local to each node?); give an out_dir that "
                              f"every node shares"]
-    assert os.listdir(tmp_path / "a") == [".lock"] and not (tmp_path / "b").exists()  # the mark is gone
+    assert os.listdir(tmp_path / "a") == [".lock"] and os.listdir(tmp_path / "b") == []  # the mark is gone
     settings = dict(data_dir=data, teacher_init=toy_checkpoint(tmp_path / "t.pt", 1), topk_write=True, teacher_topk=8,
                     batch_size=4, block_size=32, out_dir=tmp_path / "kd")
     node0, node1 = two_nodes([("kd_train.py", {**settings, "teacher_topk_dir": tmp_path / "s0"}),
-                              ("kd_train.py", {**settings, "teacher_topk_dir": tmp_path / "s1"})])
+                              ("kd_train.py", {**settings, "teacher_topk_dir": tmp_path / "s1"})], env=wait)
     assert node0.returncode and node1.returncode
     assert errors(node0) == [f"error: every process writes its rows of the store into {tmp_path / 's0'}, which rank(s) 1 "
                              f"cannot see as rank 0 does (a directory local to each node?); give a directory that every "
