@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -15,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from checkpoint import (  # noqa: E402
     check_resume, checkpoint_digest, export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, remove_earlier_outputs, save_adapter,
-    set_aside_checkpoint, source_stop_ids, stop_ids,
+    leave_mark, sees_mark, set_aside_checkpoint, source_stop_ids, stop_ids,
 )
 from model import PRESETS, ModelArgs, Transformer, merge_lora  # noqa: E402
 
@@ -440,3 +441,39 @@ def test_stop_ids(tmp_path):
     # Llama 3's tiktoken tokenizer: where Meta's code stops, end of text, of a tool call (eom) and of a turn (eot)
     tiktoken = {"eos_id": 128001, "vocab_size": 128256, "tokenizer": {"kind": "tiktoken"}}
     assert stop_ids(tiktoken, [128009]) == [128001, 128008, 128009]
+
+
+def test_two_sharded_saves_of_the_same_step_differ_in_state_pt(tmp_path):
+    # processes compare a sharded checkpoint by its state.pt: two saves of one step, config and seed
+    # (another node's copy of another run, say) must not read the same
+    script = f"""
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {str(ROOT)!r})
+from checkpoint import checkpoint_digest, save_training_checkpoint
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+digests = []
+for run in ("a", "b"):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    save_training_checkpoint(model, [torch.optim.AdamW(model.parameters())], {{"iter_num": 3, "config": {{"seed": 1}}}},
+                             {str(tmp_path)!r} + "/" + run, sharded=True)
+    digests.append(checkpoint_digest({str(tmp_path)!r} + "/" + run + "/ckpt/state.pt"))
+print(digests[0] != digests[1])
+"""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1] == "True"
+
+
+def test_a_mark_is_seen_where_it_was_left(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOTUNE_SHARED_WAIT", "0")
+    name, error = leave_mark(str(tmp_path))
+    assert error is None and os.listdir(tmp_path) == [name] and sees_mark(str(tmp_path), name)
+    assert leave_mark(str(tmp_path))[0] != name  # a name of its own each time
+    (tmp_path / "other").mkdir()
+    assert not sees_mark(str(tmp_path / "other"), name)
+    # an error for every rank to print, not an exception on rank 0 alone
+    assert leave_mark(str(tmp_path / "absent")) == (None, f"cannot write in {tmp_path / 'absent'} (No such file or "
+                                                          f"directory); give this run a directory it can write")

@@ -145,7 +145,7 @@ def test_kd_sharded_resume_on_another_process_count(data, tmp_path):
     assert r.returncode == 2 and "dcp_to_torch_save" in r.stderr, r.stderr[-2000:]
 
 
-def two_nodes(nodes, first_to_end=None, timeout=300, env=None):
+def two_nodes(nodes, first_to_end=None, timeout=300, env=None, args=()):
     """Runs a job as two one-process nodes of torchrun on this machine: nodes holds (script, settings)
     for each, so each can read its own files. Returns their CompletedProcesses. first_to_end: the node
     to wait for alone, after which the other one is stopped (it waits on its peer)."""
@@ -157,7 +157,7 @@ def two_nodes(nodes, first_to_end=None, timeout=300, env=None):
         for node, (script, settings) in enumerate(nodes):
             launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
                         "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0"]
-            procs.append(subprocess.Popen([*launcher, *command(script, **settings)[1:]], cwd=ROOT, env=script_env({**ENV, **(env or {})}),
+            procs.append(subprocess.Popen([*launcher, *command(script, *args, **settings)[1:]], cwd=ROOT, env=script_env({**ENV, **(env or {})}),
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         if first_to_end is not None:
             procs[first_to_end].wait(timeout=timeout)
@@ -251,6 +251,14 @@ def test_nodes_must_share_the_directory_they_all_write(data, tmp_path):
                              f"rank(s) 1 cannot see as rank 0 does (a directory local to each node?); give an out_dir that "
                              f"every node shares"]
     assert os.listdir(tmp_path / "a") == [".lock"] and os.listdir(tmp_path / "b") == []  # the mark is gone
+    # a conversion writes from rank 0 alone (a config file for the job may still ask for sharded checkpoints)
+    (tmp_path / "job.py").write_text("sharded_checkpoint = True\n")
+    convert = dict(data_dir=data, init_from=toy_checkpoint(tmp_path / "m.pt", 1), convert_only=True, quantizer="8da4w",
+                   group_size=32, block_size=32, batch_size=4)
+    node0, node1 = two_nodes([("qat_train.py", {**convert, "out_dir": tmp_path / "c0"}),
+                              ("qat_train.py", {**convert, "out_dir": tmp_path / "c1"})], env=wait, args=[tmp_path / "job.py"])
+    assert node0.returncode == node1.returncode == 0, node0.stderr[-2000:]
+    assert (tmp_path / "c0" / "quantized.pt").exists()
     settings = dict(data_dir=data, teacher_init=toy_checkpoint(tmp_path / "t.pt", 1), topk_write=True, teacher_topk=8,
                     batch_size=4, block_size=32, out_dir=tmp_path / "kd")
     node0, node1 = two_nodes([("kd_train.py", {**settings, "teacher_topk_dir": tmp_path / "s0"}),
