@@ -257,11 +257,23 @@ def leave_mark(path):
     return name, None
 
 
-def sees_mark(path, name):
+def mark_wait():
+    """The seconds sees_mark asks again for: NANOTUNE_SHARED_WAIT, default 90. Raises ValueError."""
+    value = os.environ.get("NANOTUNE_SHARED_WAIT", "90")
+    try:
+        wait = float(value)
+    except ValueError:
+        wait = -1.0
+    if not 0 <= wait <= 600:  # under the process group's timeout (30 min), which the others wait on
+        raise ValueError(f"NANOTUNE_SHARED_WAIT={value!r} must be a number of seconds from 0 to 600")
+    return wait
+
+
+def sees_mark(path, name, wait):
     """Whether the file `name` (leave_mark's, on another node) is in directory path. An NFS client
-    trusts its cached "no such file" until the directory's attributes expire (acdirmax, 60 s by
-    default), so a miss is asked again for NANOTUNE_SHARED_WAIT seconds (default 90)."""
-    deadline = time.monotonic() + float(os.environ.get("NANOTUNE_SHARED_WAIT", 90))
+    trusts a cached "no such file" (for path itself, made by rank 0 moments before, say) until the
+    directory's attributes expire (acdirmax, 60 s by default), so a miss is asked again for `wait` seconds."""
+    deadline = time.monotonic() + wait
     while not os.path.exists(os.path.join(path, name)):
         if time.monotonic() > deadline:
             return False

@@ -271,7 +271,7 @@ def code_digest(script):
     here = {os.path.dirname(os.path.abspath(script)), os.path.dirname(os.path.realpath(script))}
     files = {os.path.realpath(script)} | {os.path.realpath(f) for m in list(sys.modules.values())
                                           if isinstance(f := getattr(m, "__file__", None), str) and os.path.isabs(f)
-                                          and os.path.dirname(f) in here and os.path.isfile(f)}
+                                          and os.path.dirname(os.path.abspath(f)) in here and os.path.isfile(f)}
     code = {"torch": torch.__version__, "torchao": getattr(sys.modules.get("torchao"), "__version__", None)}
     for file in sorted(files):
         with open(file, "rb") as f:

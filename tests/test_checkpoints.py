@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from checkpoint import (  # noqa: E402
     check_resume, checkpoint_digest, export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, remove_earlier_outputs, save_adapter,
-    leave_mark, sees_mark, set_aside_checkpoint, source_stop_ids, stop_ids,
+    leave_mark, mark_wait, sees_mark, set_aside_checkpoint, source_stop_ids, stop_ids,
 )
 from model import PRESETS, ModelArgs, Transformer, merge_lora  # noqa: E402
 
@@ -468,12 +468,18 @@ print(digests[0] != digests[1])
 
 
 def test_a_mark_is_seen_where_it_was_left(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOTUNE_SHARED_WAIT", "0")
     name, error = leave_mark(str(tmp_path))
-    assert error is None and os.listdir(tmp_path) == [name] and sees_mark(str(tmp_path), name)
+    assert error is None and os.listdir(tmp_path) == [name] and sees_mark(str(tmp_path), name, 0)
     assert leave_mark(str(tmp_path))[0] != name  # a name of its own each time
     (tmp_path / "other").mkdir()
-    assert not sees_mark(str(tmp_path / "other"), name)
+    assert not sees_mark(str(tmp_path / "other"), name, 0)
+    assert mark_wait() == 90
+    monkeypatch.setenv("NANOTUNE_SHARED_WAIT", "2.5")
+    assert mark_wait() == 2.5
+    for bad in ("nan", "inf", "abc", "-1", "601"):  # a wait that never ends, or outlasts the process group's
+        monkeypatch.setenv("NANOTUNE_SHARED_WAIT", bad)
+        with pytest.raises(ValueError, match=f"NANOTUNE_SHARED_WAIT='{bad}' must be a number of seconds from 0 to 600"):
+            mark_wait()
     # an error for every rank to print, not an exception on rank 0 alone
     assert leave_mark(str(tmp_path / "absent")) == (None, f"cannot write in {tmp_path / 'absent'} (No such file or "
                                                           f"directory); give this run a directory it can write")
