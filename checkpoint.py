@@ -281,6 +281,23 @@ def sees_mark(path, name, wait):
     return True
 
 
+def ranks_not_sharing(path):
+    """A collective: the ranks that do not see in directory path the file rank 0 leaves there (a
+    directory local to each node, where every process must write into one). Raises ValueError, on
+    every rank, if rank 0 cannot write there or NANOTUNE_SHARED_WAIT is not a wait."""
+    wait = mark_wait()
+    mark = [leave_mark(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(mark, src=0)
+    name, error = mark[0]
+    if error:
+        raise ValueError(error)
+    seen_by = [None] * dist.get_world_size()
+    dist.all_gather_object(seen_by, sees_mark(path, name, wait))
+    if dist.get_rank() == 0:
+        os.remove(os.path.join(path, name))
+    return [r for r, seen in enumerate(seen_by) if not seen]
+
+
 # what a finished run leaves in out_dir besides its checkpoint and log (either script's)
 FINAL_OUTPUTS = ("quantized.pt", "model.pte", "export_hf", "export_meta", "model.pt", "adapter")
 

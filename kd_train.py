@@ -68,8 +68,8 @@ from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeig
 from torchao.quantization.qat import QATConfig
 
 from checkpoint import (CHECKPOINT_NAMES, TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch,
-                        export_hf, export_meta, leave_mark, load_checkpoint, load_sharded_checkpoint, lock_dir, mark_wait,
-                        pte_summary, remove_earlier_outputs, save_adapter, save_training_checkpoint, sees_mark,
+                        export_hf, export_meta, load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary,
+                        ranks_not_sharing, remove_earlier_outputs, save_adapter, save_training_checkpoint,
                         set_aside_checkpoint, sharded_dir, source_generation, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
@@ -507,23 +507,14 @@ if lock_error[0]:
     fail(lock_error[0])
 # a store's rows (topk_write) and sharded checkpoints are written by every process into one directory:
 # a path local to each node would split them between the nodes, unreadable, without a word. Rank 0
-# leaves a mark every process must see
+# leaves a file there that every process must see
 shared_dir = teacher_topk_dir if topk_write else out_dir
 if world_size > 1 and (topk_write or sharded_checkpoint):
     try:
-        wait = mark_wait()
+        blind = ranks_not_sharing(shared_dir)
     except ValueError as e:
         fail(str(e))
-    mark = [leave_mark(shared_dir) if master_process else None]
-    dist.broadcast_object_list(mark, src=0)
-    name, error = mark[0]
-    if error:
-        fail(error)
-    seen_by = [None] * world_size
-    dist.all_gather_object(seen_by, sees_mark(shared_dir, name, wait))
-    if master_process:
-        os.remove(os.path.join(shared_dir, name))
-    if blind := [r for r, s in enumerate(seen_by) if not s]:
+    if blind:
         fail(f"every process writes its {'rows of the store' if topk_write else 'checkpoint shards'} into {shared_dir}, "
              f"which rank(s) {', '.join(map(str, blind))} cannot see as rank 0 does (a directory local to each node?); "
              f"give a directory that every node shares")

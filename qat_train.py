@@ -46,8 +46,8 @@ from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeig
 from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch, export_hf, export_meta,
-                        leave_mark, load_checkpoint, load_sharded_checkpoint, lock_dir, mark_wait, pte_summary,
-                        remove_earlier_outputs, save_training_checkpoint, sees_mark, set_aside_checkpoint, sharded_dir,
+                        load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary, ranks_not_sharing,
+                        remove_earlier_outputs, save_training_checkpoint, set_aside_checkpoint, sharded_dir,
                         source_generation, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
@@ -315,22 +315,13 @@ dist.broadcast_object_list(lock_error, src=0)  # every rank stops, not rank 0 al
 if lock_error[0]:
     fail(lock_error[0])
 # sharded checkpoints are written by every process into out_dir: a path local to each node would
-# split each one between the nodes, unreadable, without a word. Rank 0 leaves a mark every process must see
+# split each one between the nodes, unreadable, without a word. Rank 0 leaves a file there that every process must see
 if world_size > 1 and sharded_checkpoint and not convert_only:
     try:
-        wait = mark_wait()
+        blind = ranks_not_sharing(out_dir)
     except ValueError as e:
         fail(str(e))
-    mark = [leave_mark(out_dir) if master_process else None]
-    dist.broadcast_object_list(mark, src=0)
-    name, error = mark[0]
-    if error:
-        fail(error)
-    seen_by = [None] * world_size
-    dist.all_gather_object(seen_by, sees_mark(out_dir, name, wait))
-    if master_process:
-        os.remove(os.path.join(out_dir, name))
-    if blind := [r for r, s in enumerate(seen_by) if not s]:
+    if blind:
         fail(f"sharded_checkpoint=True has every process write its shards into {out_dir}, which rank(s) "
              f"{', '.join(map(str, blind))} cannot see as rank 0 does (a directory local to each node?); give an "
              f"out_dir that every node shares")
