@@ -479,10 +479,13 @@ def list_files(inputs, left_out=None):
         if not os.path.isdir(inp):
             found = [(inp, os.path.basename(inp))]
         else:
-            found = []
-            for dirpath, dirnames, filenames in os.walk(inp):
-                # hidden folders (.git, .venv) and caches are not text anyone meant to train on
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+            found, walked = [], set()
+            for dirpath, dirnames, filenames in os.walk(inp, followlinks=True):  # a linked folder is read too
+                walked.add(os.path.realpath(dirpath))
+                # hidden folders (.git, .venv) and caches are not text anyone meant to train on; a link back
+                # to a folder already walked (its parent, say) would never end
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__"
+                                     and os.path.realpath(os.path.join(dirpath, d)) not in walked)
                 for name in sorted(filenames):
                     ext = os.path.splitext(name)[1].lower()
                     path = os.path.join(dirpath, name)
@@ -681,10 +684,11 @@ def _encode_chunk(chunk):
     if packed:
         out = []
         for prompt, text, is_val, _, _ in chunk:
-            # encoded apart so the mask boundary falls exactly between them (with a tokenizer that adds a
-            # dummy prefix, as Llama 2's does, the response starts with a space piece)
+            # encoded apart so the mask boundary falls exactly between them; the response as the rest of
+            # the text, or a tokenizer that adds a dummy prefix (Llama 2's) would train a space piece
+            # no joint encoding has, and the model would learn to answer with a double space
             p = tok.encode(prompt) if prompt else []
-            ids = bos + p + (tok.encode(text) if text else []) + [tok.eos_id]
+            ids = bos + p + ((tok.encode_rest(text) if p else tok.encode(text)) if text else []) + [tok.eos_id]
             out.append((is_val, np.array(ids, dtype), len(bos) + len(p)))
         return out, specials
     out = {False: [], True: []}
@@ -977,10 +981,12 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
 
         # move in: the old meta.json goes first and the new one comes last, so meta.json never describes
         # token files other than the ones beside it; an earlier run's masks and tokenizer files go too
+        # (not a model's own, where out_dir is its folder)
         os.makedirs(out_dir, exist_ok=True)
-        for name in ("meta.json",) + BIN_NAMES + TOKENIZER_NAMES:
+        for name in ("meta.json",) + BIN_NAMES:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out_dir, name))
+        remove_tokenizer_files(out_dir, keep=tok_names)
         for name in tok_names + names + ["meta.json"]:
             os.replace(os.path.join(tmp_dir, name), os.path.join(out_dir, name))
     finally:

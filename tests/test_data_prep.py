@@ -345,6 +345,53 @@ def test_long_file_in_pieces_decodes_back_with_a_dummy_prefix_tokenizer(tmp_path
     assert tok.decode(train.tolist()) + tok.decode(val.tolist()) == text
 
 
+def test_a_response_takes_no_dummy_prefix_space(tmp_path):
+    # a Llama 2 style tokenizer puts a space piece in front of every text it encodes: a response encoded
+    # so would train a piece the whole text never has (the model would answer with a double space)
+    lines = [f"Q: what is {i} plus one\nA: {i + 1} is the answer" for i in range(300)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=320, model_type="bpe",
+                                   byte_fallback=True, add_dummy_prefix=True, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, minloglevel=2)
+    (tmp_path / "llama2ish.model").write_bytes(model.getvalue())
+    records = [{"prompt": f"Q: what is {i} plus one\nA:", "response": f" {i + 1} is the answer"} for i in range(40)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = prepare([tmp_path / "sft.jsonl"], tmp_path / "out", tokenizer=tmp_path / "llama2ish.model", num_proc=1,
+                   val_fraction=0.2, block_size=64)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "llama2ish.model"))
+    _, read = load(tmp_path / "out")
+    ids, mask = read("train.bin", np.uint16), read("train_mask.bin", np.uint8)
+    starts = np.flatnonzero(ids == sp.bos_id())
+    for a, b in zip(starts, list(starts[1:]) + [len(ids)]):
+        t, m = ids[a:b].tolist(), mask[a:b]
+        end = t.index(sp.eos_id())
+        n_prompt = int((m[:end] == 0).sum())
+        joint = sp.encode(sp.decode(t[1:end]))
+        assert t[1:end] == joint and sp.id_to_piece(t[n_prompt]) != "\u2581"  # as the whole text encodes, no lone space
+    assert meta["train_docs"] + meta["val_docs"] == 40
+
+
+def test_a_linked_folder_is_read_and_a_loop_ends(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "corpus" / "own.txt").write_text("own\n")
+    (tmp_path / "elsewhere" / "far.txt").write_text("far\n")
+    (tmp_path / "corpus" / "linked").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "corpus" / "loop").symlink_to(tmp_path / "corpus")  # back to itself
+    assert [key for _, key in list_files([tmp_path / "corpus"])] == ["own.txt", "linked/far.txt"]
+
+
+def test_data_prepared_into_a_model_folder_keeps_its_files(corpus, sp_model, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")  # the model's other tokenizer file (not read here)
+    shutil.copy(sp_model, model / "tokenizer.model")
+    prepare([corpus[0]], model, tokenizer=model / "tokenizer.model", num_proc=1)
+    assert (model / "tokenizer.json").read_text() == "{}"
+    assert {"train.bin", "val.bin", "meta.json", "tokenizer.model", "config.json"} <= set(os.listdir(model))
+
+
 def test_split_at_a_piece_boundary_ends_and_starts_a_document(sp_model, tmp_path, monkeypatch):
     # the val split falling exactly where one piece of a long file ends and the next begins: the
     # train part still ends with EOS and the val part starts with BOS
