@@ -945,6 +945,8 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
                 for name in names}
         n_tokens = {s: data[f"{s}.bin"]["bytes"] // np.dtype(dtype).itemsize for s in ("train", "val")}
         train, val = packers.get(False), packers.get(True)
+        # the share of the samples' own tokens: packed rows also hold padding, and one token past the last row
+        own = {s: n - (p.pad_tokens + 1 if packed else 0) for (s, n), p in zip(n_tokens.items(), (train, val))}
         meta = {
             "vocab_size": tok.vocab_size,
             "dtype": np.dtype(dtype).name,
@@ -959,7 +961,7 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
             "pos_dtype": np.dtype(pos_dtype).name if packed else None,
             "train_tokens": n_tokens["train"],
             "val_tokens": n_tokens["val"],
-            "val_share": n_tokens["val"] / (n_tokens["train"] + n_tokens["val"]),
+            "val_share": own["val"] / (own["train"] + own["val"]),
             "val_fraction": val_fraction,
             # packed: samples in each split's rows (a skipped one is in neither)
             "train_docs": train.samples if packed else int((val_start > 0).sum()),

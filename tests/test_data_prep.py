@@ -392,6 +392,17 @@ def test_data_prepared_into_a_model_folder_keeps_its_files(corpus, sp_model, tmp
     assert {"train.bin", "val.bin", "meta.json", "tokenizer.model", "config.json"} <= set(os.listdir(model))
 
 
+def test_val_share_of_packed_samples_leaves_padding_out(sp_model, tmp_path, capsys):
+    # short samples in long rows: most of each split is padding, which says nothing of the split
+    records = [{"prompt": f"Q{i}: alpha beta\nA:", "response": " gamma delta"} for i in range(200)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = prepare([tmp_path / "sft.jsonl"], tmp_path / "out", tokenizer=sp_model, val_fraction=0.05, num_proc=1,
+                   block_size=2048)
+    assert meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) > 0.2  # rows: a whole one for a few samples
+    assert meta["val_share"] == pytest.approx(meta["val_docs"] / 200, rel=0.1) and 0.025 <= meta["val_share"] <= 0.1
+    assert "warning: val holds" not in capsys.readouterr().out
+
+
 def test_split_at_a_piece_boundary_ends_and_starts_a_document(sp_model, tmp_path, monkeypatch):
     # the val split falling exactly where one piece of a long file ends and the next begins: the
     # train part still ends with EOS and the val part starts with BOS
