@@ -570,6 +570,9 @@ def _text_documents(path, key, skipped, undecodable):
             text, i = next_text, i + 1
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _record_documents(path, key):
     """(key, prompt, text) per record of a .jsonl file, or of a .json file (one array, or JSON lines)."""
     try:
@@ -601,6 +604,10 @@ def _record_documents(path, key):
         if text == pair or (text and ("prompt" in keys or "response" in keys)):
             raise DataPrepError(f'{where} has {"keys " + ", ".join(sorted(keys)) if keys else "no object"}: a record '
                                 f'needs a "text" string, or "prompt" and "response" strings, not both')
+        if any(SURROGATE.search(s) for s in ((record["text"],) if text else (record["prompt"], record["response"]))):
+            # a JSON escape of half a pair: no character, which tokenizers fail on or replace without a word
+            raise DataPrepError(f"{where} holds a lone surrogate (an escape such as \\ud83d without its pair), which is "
+                                f"no character; fix the record")
         if text and record["text"]:
             yield f"{key}:{i}", None, record["text"]
         elif pair and (record["prompt"] or record["response"]):

@@ -452,6 +452,7 @@ def test_killed_runs_temp_folder_is_named(corpus, tmp_path, capsys):
     ("jsonl_fields", r'bad\.jsonl line 2 has keys prompt: a record needs a "text" string, or "prompt" and "response"'),
     ("both_shapes", r'bad\.jsonl line 1 has keys prompt, response, text: .* not both'),
     ("alpaca", r'bad\.jsonl line 1 has keys input, instruction, output'),
+    ("lone_surrogate", r"bad\.jsonl line 2 holds a lone surrogate \(an escape such as \\ud83d without its pair\)"),
     ("json_neither", r"bad\.json line 1 is neither a JSON array of records nor JSON lines"),
     ("json_bad_array", r"bad\.json starts like a JSON array of records but does not parse"),
     ("sft_without_block_size", r"sft\.jsonl:1 is a prompt/response sample: give --block_size N"),
@@ -486,12 +487,13 @@ def test_errors(case, message, corpus, tmp_path, monkeypatch):
         "json_bad_array": [tmp_path / "bad.json"],
         "sft_without_block_size": [tmp_path / "sft.jsonl"],
         "long_text_in_sft": [tmp_path / "sft.jsonl", tmp_path / "long.txt"],
-    }.get(case, [bad] if case in ("malformed_jsonl", "jsonl_fields", "both_shapes", "alpaca") else [root])
+    }.get(case, [bad] if case in ("malformed_jsonl", "jsonl_fields", "both_shapes", "alpaca", "lone_surrogate") else [root])
     bad.write_text({
         "malformed_jsonl": '{"text": "a"}\n{"text": "b"}\n{"text": "c",,}\n',
         "jsonl_fields": '{"text": "a"}\n{"prompt": "only a prompt"}\n',
         "both_shapes": '{"text": "a", "prompt": "b", "response": "c"}\n',
         "alpaca": '{"instruction": "a", "input": "", "output": "c"}\n',
+        "lone_surrogate": '{"text": "a"}\n{"text": "half a pair: \\ud83d"}\n',
     }.get(case, ""))
     (tmp_path / "bad.json").write_text('{\n  "text": "pretty-printed single object"\n}\n' if case == "json_neither"
                                        else '[{"text": "a"},\n')
