@@ -67,7 +67,7 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 from torchao.quantization.qat import QATConfig
 
-from checkpoint import (CHECKPOINT_NAMES, TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch,
+from checkpoint import (CHECKPOINT_NAMES, FINAL_OUTPUTS, TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch,
                         export_hf, export_meta, load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary,
                         ranks_not_sharing, remove_earlier_outputs, save_adapter, save_training_checkpoint,
                         set_aside_checkpoint, sharded_dir, source_generation, source_stop_ids, stop_ids, tokenizer_of)
@@ -217,10 +217,6 @@ try:
     set_aside_checkpoint(out_dir, inputs, move=False)
 except ValueError as e:
     fail(str(e))
-if not from_store and not topk_write and os.path.realpath(teacher_init) in {os.path.realpath(p) for p in (
-        out_dir, *(os.path.join(out_dir, n) for n in CHECKPOINT_NAMES))}:
-    fail(f"teacher_init={teacher_init!r} is this run's own checkpoint in out_dir, which its first save replaces; "
-         f"copy the teacher elsewhere, or give this run another out_dir")
 if not lora_rank and (unused := [k for k in ("lora_alpha", "lora_dropout", "lora_targets") if k in overridden]):
     fail(f"{', '.join(unused)} only matter with LoRA, and lora_rank=0; set lora_rank or drop them")
 if kd_divergence != "jsd" and "jsd_beta" in overridden:
@@ -268,6 +264,14 @@ if from_store:
         fail(f"teacher_init={teacher_init!r}, but the store in {teacher_topk_dir} was written from "
              f"{store_meta['teacher_init']!r}; drop teacher_init, or give the store of that teacher")
     teacher_init = config["teacher_init"] = store_meta["teacher_init"]
+    teacher_topk = config["teacher_topk"] = store_meta["k"]  # recorded as what the run trains on
+# the student's checkpoints and final outputs replace out_dir's: the teacher (a store's too, which a
+# resume or a rewrite of the store compares) is never one of them
+if not topk_write and (mine := os.path.realpath(teacher_init)) in {os.path.realpath(p) for p in (
+        out_dir, *(os.path.join(out_dir, n) for n in CHECKPOINT_NAMES + FINAL_OUTPUTS))}:
+    fail(f"teacher_init={teacher_init!r} is {'the teacher of the store in ' + teacher_topk_dir + ', and ' if from_store else ''}"
+         f"this run's own {os.path.basename(mine)} in out_dir, which the run replaces; copy the teacher elsewhere, or give "
+         f"this run another out_dir")
 
 
 model_sources = {}  # init_from's and teacher_init's (path, loaded checkpoint), to read their tokenizers from
@@ -331,11 +335,16 @@ if init_from == "resume":
                       map_location="cpu", mmap=True, weights_only=True)
     model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt.get("model")  # sharded: read later
     source_stops, generation = source_stop_ids(resume_path, ckpt), source_generation(resume_path, ckpt)
-    try:  # these decide which batches a step sees, what is trained, or what the weights were trained for
-        changes = check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "teacher_init",
-                                              "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
+    if bool(ckpt["config"].get("teacher_topk_dir")) != from_store:  # the whole distribution, or its stored top k
+        fail(f"{resume_path} was trained {'from a top-k store' if not from_store else 'with an online teacher'}; resume it "
+             f"{'from its store (teacher_topk_dir)' if not from_store else 'without teacher_topk_dir'}")
+    try:  # these decide which batches a step sees, what is trained, or what the weights were trained for (the
+        # teacher by its bytes, below, not its path, which may differ between nodes; quant_skip as normalized)
+        quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip) if quant_bits else ()
+        changes = check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "preset",
+                                              "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
                                               "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding",
-                                              "quant_skip", "range_learning", "fake_quant_after_n_steps", "teacher_topk_dir",
+                                              "quant_skip", "range_learning", "fake_quant_after_n_steps", "teacher_topk",
                                               "kd_ratio", "kd_divergence", "kd_temperature", "jsd_beta"), data_meta,
                                resume_path, "kd_train.py", asked=overridden)
     except ValueError as e:
@@ -533,25 +542,30 @@ data_dtype = np.dtype(data_meta["dtype"])
 has_mask, has_pos = bool(data_meta.get("has_mask")), bool(data_meta.get("has_pos"))
 
 
-data_files = {}  # (inode, size) of each bin as first opened, against data_prep.py writing into data_dir under this run
+data_files = {}  # (inode, size) of each file as first opened, against data_prep.py (or a store's write) under this run
 
 
-def memmap(split, kind=""):
-    # a fresh memmap per batch: a long-lived one grows the process's memory (nanoGPT's lesson)
-    dtype = {"": data_dtype, "mask": np.uint8, "pos": np.dtype(data_meta.get("pos_dtype") or "uint16")}[kind]
-    path = os.path.join(data_dir, f"{split}_{kind}.bin" if kind else f"{split}.bin")
+def opened(path, dtype, shape=None, again=None):
+    """A fresh read-only memmap of path (a long-lived one grows the process's memory: nanoGPT's
+    lesson), or a stop if the file is not the one this run first opened (`again`: how that came)."""
     try:
         with open(path, "rb") as f:
-            m, stat = np.memmap(f, dtype=dtype, mode="r"), os.fstat(f.fileno())
+            m, stat = np.memmap(f, dtype=dtype, mode="r", shape=shape), os.fstat(f.fileno())
             now = stat.st_ino, stat.st_size
     except FileNotFoundError:
         now = None
     if now is None or data_files.setdefault(path, now) != now:  # replaced, rewritten or removed
         # on whichever rank sees it (data may be local to each node), so not through fail()
-        print(f"error{f' (rank {rank})' if world_size > 1 else ''}: {path} changed during the run (data prepared again "
-              f"into {data_dir}?); stopped rather than train on other data", file=sys.stderr, flush=True)
+        print(f"error{f' (rank {rank})' if world_size > 1 else ''}: {path} changed during the run ({again}?); stopped "
+              f"rather than train on other data", file=sys.stderr, flush=True)
         sys.exit(2)
     return m
+
+
+def memmap(split, kind=""):
+    dtype = {"": data_dtype, "mask": np.uint8, "pos": np.dtype(data_meta.get("pos_dtype") or "uint16")}[kind]
+    return opened(os.path.join(data_dir, f"{split}_{kind}.bin" if kind else f"{split}.bin"), dtype,
+                  again=f"data prepared again into {data_dir}")
 
 
 n_targets = {s: len(memmap(s)) - 1 for s in ("train", "val")}  # every token but the first is a target
@@ -609,6 +623,10 @@ def get_batch(split, windows):
 def store_memmaps(mode="r"):
     """The store's top-k ids and log-probs, (train windows * block_size, k) each."""
     shape = (store_meta["n_windows"] * block_size, store_meta["k"])
+    if mode == "r":  # training from it: checked as the data's files are
+        again = f"a store written again into {teacher_topk_dir}"
+        return (opened(os.path.join(teacher_topk_dir, "ids.bin"), store_meta["ids_dtype"], shape, again),
+                opened(os.path.join(teacher_topk_dir, "logprobs.bin"), np.float16, shape, again))
     return (np.memmap(os.path.join(teacher_topk_dir, "ids.bin"), dtype=store_meta["ids_dtype"], mode=mode, shape=shape),
             np.memmap(os.path.join(teacher_topk_dir, "logprobs.bin"), dtype=np.float16, mode=mode, shape=shape))
 

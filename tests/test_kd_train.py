@@ -303,11 +303,12 @@ def test_non_finite_teacher(setup, tmp_path):
     assert code == 2 and (f"step 1: the KD term is not finite; stopped, and no checkpoint was written; check the teacher "
                           f"({tmp_path / 'inf_teacher.pt'})") in err, err[-2000:]
     assert not (tmp_path / "half" / "ckpt.pt").exists() and (tmp_path / "half" / "ckpt.pt.prev").exists()
-    # a teacher in out_dir's checkpoint would be replaced by the student's first save
-    shutil.copyfile(setup["teacher"], tmp_path / "half" / "ckpt.pt")
-    r = run("kd_train.py", check=False, env=ENV, **dict(common, out_dir=str(tmp_path / "half"),
-                                                        teacher_init=str(tmp_path / "half" / "ckpt.pt")))
-    assert r.returncode == 2 and "is this run's own checkpoint in out_dir, which its first save replaces" in r.stderr, r.stderr
+    # a teacher in out_dir's checkpoint, or final model, would be replaced by the student's
+    for name in ("ckpt.pt", "model.pt"):
+        shutil.copyfile(setup["teacher"], tmp_path / "half" / name)
+        r = run("kd_train.py", check=False, env=ENV, **dict(common, out_dir=str(tmp_path / "half"),
+                                                            teacher_init=str(tmp_path / "half" / name)))
+        assert r.returncode == 2 and f"is this run's own {name} in out_dir, which the run replaces" in r.stderr, r.stderr
 
 
 # -----------------------------------------------------------------------------
@@ -541,9 +542,11 @@ def test_qad_delayed_learned_scales_and_resume_settings(setup, tmp_path):
     learned, dynamic, resumed = (str(tmp_path / n) for n in ("learned", "dynamic", "resumed"))
     run_in_one_process([("kd_train.py", dict(common, out_dir=learned, range_learning=True, fake_quant_after_n_steps=1)),
                         ("kd_train.py", dict(common, out_dir=dynamic, fake_quant_after_n_steps=1)),
-                        ("kd_train.py", dict(common, out_dir=resumed, range_learning=True, max_iters=1, range_lr_ratio=0.01)),
+                        # quant_skip as a user may write it, compared as normalized ('layers.0')
+                        ("kd_train.py", dict(common, out_dir=resumed, range_learning=True, max_iters=1, range_lr_ratio=0.01,
+                                             quant_skip=("layers.0.",))),
                         ("kd_train.py", dict(common, out_dir=resumed, range_learning=True, init_from="resume", weight_decay=0.0,
-                                             beta2=0.99))], tmp_path)
+                                             beta2=0.99, quant_skip=("layers.0.",)))], tmp_path)
     a, b = (train_lines(read_log(d))[1] for d in (learned, dynamic))
     assert a["fake_quant"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     groups = torch.load(os.path.join(resumed, "ckpt.pt"), weights_only=True)["optimizer"]["param_groups"]

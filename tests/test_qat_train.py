@@ -251,16 +251,23 @@ def test_kill_and_resume_reproduces_straight_run(train, data, tmp_path):
     assert not (out / "ckpt.pt.tmp").exists() and not (out / "quantized.pt.tmp").exists()
 
 
-@pytest.mark.parametrize("script", [SCRIPT, "kd_train.py"])
-def test_data_changed_under_a_run_stops_it(script, tmp_path):
-    # data_prep.py run again into data_dir while a run reads it: the run stops at its next batch rather
-    # than train on other data, and a run started on bins unlike their meta.json does not start
+@pytest.mark.parametrize("script, store", [(SCRIPT, False), ("kd_train.py", False), ("kd_train.py", True)])
+def test_data_changed_under_a_run_stops_it(script, store, tmp_path):
+    # data_prep.py run again into data_dir while a run reads it (or a teacher's top-k store written again):
+    # the run stops at its next batch rather than train on other data, and a run started on bins unlike
+    # their meta.json does not start
     data = make_data(tmp_path / "data")
     out = tmp_path / "out"
     settings = {**BASE, "data_dir": data, "out_dir": out, "max_iters": 100_000}
     if script == "kd_train.py":  # a student from scratch, and a teacher of the same shape trained one step
         run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": tmp_path / "teacher", "max_iters": 1})
         settings["teacher_init"] = str(tmp_path / "teacher" / "ckpt.pt")
+    if store:
+        run(script, data_dir=data, teacher_init=settings["teacher_init"], batch_size=BASE["batch_size"],
+            block_size=BASE["block_size"], topk_write=True, teacher_topk=8, teacher_topk_dir=tmp_path / "store",
+            out_dir=tmp_path / "w")
+        settings.update(teacher_topk_dir=str(tmp_path / "store"), teacher_init=str(tmp_path / "teacher" / "ckpt.pt"))
+    changed = os.path.join(tmp_path / "store", "ids.bin") if store else os.path.join(data, "train.bin")
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen(command(script, **settings), cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=err)
         try:
@@ -269,14 +276,15 @@ def test_data_changed_under_a_run_stops_it(script, tmp_path):
                 assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()[-4000:]
                 time.sleep(0.01)
             # as data_prep.py moves its files in: another file of the same size in the same place
-            new = np.fromfile(os.path.join(data, "train.bin"), dtype=np.uint16)[::-1].copy()
-            new.tofile(os.path.join(data, "new.bin"))
-            os.replace(os.path.join(data, "new.bin"), os.path.join(data, "train.bin"))
+            new = np.fromfile(changed, dtype=np.uint16)[::-1].copy()
+            new.tofile(changed + ".new")
+            os.replace(changed + ".new", changed)
             proc.wait(timeout=120)
         finally:
             proc.kill()
     stderr = (tmp_path / "stderr.txt").read_text()
-    assert proc.returncode == 2 and "train.bin changed during the run (data prepared again into" in stderr, stderr[-4000:]
+    assert proc.returncode == 2 and (f"{changed} changed during the run ("
+                                     f"{'a store written again into' if store else 'data prepared again into'}") in stderr, stderr[-4000:]
     with open(os.path.join(data, "train.bin"), "ab") as f:
         f.write(bytes(64))
     r = run(script, check=False, **{**settings, "out_dir": tmp_path / "out2"})
