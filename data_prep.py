@@ -299,10 +299,18 @@ def _tokenizer_config(path):
     folder = os.path.dirname(path)
     extras = [p for p in (os.path.join(folder, n) for n in ("tokenizer_config.json", "special_tokens_map.json"))
               if os.path.isfile(p)]
-    config = {}
+    config, said = {}, []
     for p in reversed(extras):
         with open(p, encoding="utf-8") as f:
-            config.update({k: v for k, v in json.load(f).items() if v is not None})
+            said.append({k: v for k, v in json.load(f).items() if v is not None})
+        config.update(said[-1])
+    # transformers lets either file win, by version and by what else the config holds: they must agree
+    def content(v):
+        return v.get("content") if isinstance(v, dict) else v
+    for key in ("bos_token", "eos_token") if len(said) == 2 else ():
+        if key in said[0] and key in said[1] and content(said[0][key]) != content(said[1][key]):
+            raise DataPrepError(f"{extras[0]} names {key} {content(said[1][key])!r}, {extras[1]} {content(said[0][key])!r}, "
+                                f"which transformers versions read differently; make them agree")
     return extras + [p for p in (os.path.join(folder, n) for n in CHAT_TEMPLATE_NAMES) if os.path.isfile(p)], config
 
 

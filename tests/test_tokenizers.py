@@ -174,6 +174,12 @@ def test_hf_bos_semantics(tmp_path):
     assert sorted(meta["tokenizer"]["files"]) == ["chat_template.jinja", "special_tokens_map.json", "tokenizer.json",
                                                   "tokenizer_config.json"]
     assert (tmp_path / "out" / "chat_template.jinja").read_text() == (folder / "chat_template.jinja").read_text()
+    # the two files naming other tokens: transformers 5 lets the map win unless the config lists its added tokens
+    folder = write_hf(tmp_path / "both", names)
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<s>"}}))
+    with pytest.raises(DataPrepError, match=r"tokenizer_config\.json names eos_token '</s>', .*special_tokens_map\.json '<s>', "
+                                            r"which transformers versions read differently"):
+        load_tokenizer(folder)
     with pytest.raises(DataPrepError, match="no eos_token"):
         load_tokenizer(write_hf(tmp_path / "noeos", {"bos_token": "<s>"}))
     with pytest.raises(DataPrepError, match="names eos_token '<eos>', which"):
