@@ -776,7 +776,12 @@ if master_process and not sharded_from:
     elif lora_rank and init_from != "resume":
         init_state = {**to_lora_keys(init_state, model), **lora_init_state()}
     if range_learning and init_from != "resume":  # a resume has its learned scales
-        init_state = {**init_state, **initial_scales(model, init_state)}
+        # and so does a QAT or QAD checkpoint trained with this very fake quantization, as qat_train.py keeps them
+        source = model_sources.get("init_from", (None, {}))[1]
+        same = bool(source.get("fake_quant")) and all(source.get("config", {}).get(k) == config[k] for k in (
+            "quantizer", "group_size", "quantize_embedding", "quant_skip", "range_learning"))
+        init_state = {**init_state, **initial_scales(model, init_state),
+                      **{k: v for k, v in source.get("model", {}).items() if same and k.endswith("learned_scale")}}
 broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 if not sharded_from:  # a sharded checkpoint is read after the optimizer exists, with its state
     set_model_state_dict(model, init_state if master_process else {}, options=broadcast)

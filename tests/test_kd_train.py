@@ -514,7 +514,12 @@ def test_qad_learned_scales_resume_and_convert(setup, tmp_path):
                         ("kd_train.py", dict(common, out_dir=resumed, max_iters=2, lr_decay_iters=4)),
                         ("kd_train.py", dict(common, out_dir=resumed, init_from="resume")),
                         ("kd_train.py", dict(common, out_dir=ratio, max_iters=1, warmup_iters=0, weight_decay=0.0,
-                                             range_lr_ratio=0.01))], tmp_path)
+                                             range_lr_ratio=0.01)),
+                        # a finetune from the QAD checkpoint starts from the scales it learned (here at rate 0: kept)
+                        ("kd_train.py", dict(common, out_dir=str(tmp_path / "again"), init_from=os.path.join(straight, "ckpt.pt"),
+                                             max_iters=1, learning_rate=0.0, min_lr=0.0))], tmp_path)
+    learned, again = (torch.load(os.path.join(d, "ckpt.pt"), weights_only=True)["model"] for d in (straight, tmp_path / "again"))
+    assert all(torch.equal(again[k], v) for k, v in learned.items() if k.endswith("learned_scale"))
     assert_resume_equals_straight_run(straight, resumed, "ckpt.pt")
     a, b = (read_log(d)[-1] for d in (straight, resumed))
     assert a["method"] == "qad" and a["quant_val_loss"] == pytest.approx(b["quant_val_loss"], rel=1e-6)
