@@ -145,12 +145,12 @@ class Tokenizer:
         # prefix: Llama 2, Mistral) would put one inside a document at each piece boundary too
         self._after_newline = encode("\n")
         probe, n = encode("\na"), len(self._after_newline)
-        self._prefixes = probe[:n] == self._after_newline and encode("a") != probe[n:]
+        self.prefixes = probe[:n] == self._after_newline and encode("a") != probe[n:]
 
     def encode_rest(self, text):
         """encode(text) for a piece that continues a document just after a newline, as it
         tokenizes within the whole document: no space in front even where encode adds one."""
-        if not self._prefixes:
+        if not self.prefixes:
             return self.encode(text)
         ids = self.encode("\n" + text)
         if ids[:len(self._after_newline)] != self._after_newline:  # the newline merged into the text
@@ -699,11 +699,15 @@ def _encode_chunk(chunk):
     if packed:
         out = []
         for prompt, text, is_val, _, _ in chunk:
-            # encoded apart so the mask boundary falls exactly between them; the response as the rest of
-            # the text, or a tokenizer that adds a dummy prefix (Llama 2's) would train a space piece
-            # no joint encoding has, and the model would learn to answer with a double space
+            # the mask boundary falls exactly between them. A tokenizer that adds a dummy prefix (Llama 2's)
+            # would start a response encoded alone with a space piece the whole sample never has (the model
+            # would learn to answer with a double space): its response is the whole sample's tail, where
+            # the prompt's encoding begins it (else, the boundary merged, encoded apart)
             p = tok.encode(prompt) if prompt else []
-            ids = bos + p + ((tok.encode_rest(text) if p else tok.encode(text)) if text else []) + [tok.eos_id]
+            r = tok.encode(text) if text else []
+            if p and r and tok.prefixes and (whole := tok.encode(prompt + text))[:len(p)] == p:
+                r = whole[len(p):]
+            ids = bos + p + r + [tok.eos_id]
             out.append((is_val, np.array(ids, dtype), len(bos) + len(p)))
         return out, specials
     out = {False: [], True: []}
@@ -914,6 +918,14 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
             tok_names = ["tokenizer.model"]
         else:
             tok_names = tok.save(tmp_dir)
+        # a model's folder keeps its own tokenizer files (remove_tokenizer_files): one read before the data's
+        # would make the data unreadable as made
+        read = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # with, or instead of, the data's
+        if any(os.path.isfile(os.path.join(out_dir, n)) for n in ("config.json", "params.json")) and (
+                shadows := [n for n in read if n not in tok_names and os.path.isfile(os.path.join(out_dir, n))]):
+            raise DataPrepError(f"{out_dir} is a model's folder, whose {', '.join(shadows)} would be read with or instead "
+                                f"of the tokenizer the data is made with ({tok_names[0]}); give --tokenizer {out_dir} "
+                                f"(the folder), or prepare the data into another folder")
         # the copy encodes, so out_dir's tokenizer is the one that made the ids
         tok_path = os.path.join(tmp_dir, tok_names[0])
         tok = load_tokenizer(tok_path)

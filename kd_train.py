@@ -335,22 +335,25 @@ if init_from == "resume":
                       map_location="cpu", mmap=True, weights_only=True)
     model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt.get("model")  # sharded: read later
     source_stops, generation = source_stop_ids(resume_path, ckpt), source_generation(resume_path, ckpt)
-    if bool(ckpt["config"].get("teacher_topk_dir")) != from_store:  # the whole distribution, or its stored top k
-        fail(f"{resume_path} was trained {'from a top-k store' if not from_store else 'with an online teacher'}; resume it "
-             f"{'from its store (teacher_topk_dir)' if not from_store else 'without teacher_topk_dir'}")
     try:  # these decide which batches a step sees, what is trained, or what the weights were trained for (the
         # teacher by its bytes, below, not its path, which may differ between nodes; quant_skip as normalized)
         quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip) if quant_bits else ()
         changes = check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "preset",
                                               "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
                                               "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding",
-                                              "quant_skip", "range_learning", "fake_quant_after_n_steps", "teacher_topk",
+                                              "quant_skip", "range_learning", "fake_quant_after_n_steps",
                                               "kd_ratio", "kd_divergence", "kd_temperature", "jsd_beta"), data_meta,
                                resume_path, "kd_train.py", asked=overridden)
     except ValueError as e:
         fail(str(e))
     if changes and master_process:
         print(f"note: the learning-rate schedule changes from the checkpoint's step: {changes}")
+    if bool(ckpt["config"].get("teacher_topk_dir")) != from_store:  # the whole distribution, or its stored top k
+        fail(f"{resume_path} was trained {'from a top-k store' if not from_store else 'with an online teacher'}; resume it "
+             f"{'from its store (teacher_topk_dir)' if not from_store else 'without teacher_topk_dir'}")
+    if from_store and ckpt.get("store_k") not in (None, store_meta["k"]):  # (None: a checkpoint from before it was recorded)
+        fail(f"{resume_path} was trained from a store of the teacher's top {ckpt['store_k']}, and the store in "
+             f"{teacher_topk_dir} holds its top {store_meta['k']} (written again?); resume from that store or start a new out_dir")
     if ckpt.get("teacher_digest") not in (None, teacher_digest):  # checkpoints from before it was recorded: None
         fail(f"the teacher {teacher_init!r} is not the one {resume_path} was trained with (its bytes differ"
              f"{', or its store was rewritten' if from_store else ''}); resume with that teacher or start a new out_dir")
@@ -542,7 +545,7 @@ data_dtype = np.dtype(data_meta["dtype"])
 has_mask, has_pos = bool(data_meta.get("has_mask")), bool(data_meta.get("has_pos"))
 
 
-data_files = {}  # (inode, size) of each file as first opened, against data_prep.py (or a store's write) under this run
+data_files = {}  # (inode, size, time) of each file as first opened, against data_prep.py (or a store's write) under this run
 
 
 def opened(path, dtype, shape=None, again=None):
@@ -550,9 +553,10 @@ def opened(path, dtype, shape=None, again=None):
     lesson), or a stop if the file is not the one this run first opened (`again`: how that came)."""
     try:
         with open(path, "rb") as f:
-            m, stat = np.memmap(f, dtype=dtype, mode="r", shape=shape), os.fstat(f.fileno())
-            now = stat.st_ino, stat.st_size
-    except FileNotFoundError:
+            stat = os.fstat(f.fileno())
+            now = stat.st_ino, stat.st_size, stat.st_mtime_ns  # the time too: a store's write truncates in place
+            m = np.memmap(f, dtype=dtype, mode="r", shape=shape)
+    except (FileNotFoundError, ValueError):  # gone, or shorter than the shape it had (a store of a smaller k)
         now = None
     if now is None or data_files.setdefault(path, now) != now:  # replaced, rewritten or removed
         # on whichever rank sees it (data may be local to each node), so not through fail()
@@ -1057,6 +1061,7 @@ def save_checkpoint():
     small = {"script": "kd_train.py", "model_args": vars(model_args).copy(), "iter_num": iter_num,
              "epoch": iter_num // steps_per_epoch, "config": config, "quantizer": quantizer, "group_size": group_size,
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1), "teacher_init": teacher_init,
+             "store_k": store_meta["k"] if from_store else None,
              "teacher_val_loss": teacher_val_loss, "teacher_digest": teacher_digest, "tokenizer": data_tokenizer,
              "data": data_meta.get("data"), "stop_ids": source_stops, "generation": generation, "rng": rngs}
     save_training_checkpoint(model, [optimizer], small, out_dir, sharded_checkpoint)

@@ -382,14 +382,18 @@ def test_a_linked_folder_is_read_and_a_loop_ends(tmp_path):
 
 
 def test_data_prepared_into_a_model_folder_keeps_its_files(corpus, sp_model, tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
+    from test_tokenizers import write_hf
+    # an HF folder with a tokenizer.model beside its tokenizer.json (Llama 2's have both): kept, and never read
+    model = write_hf(tmp_path / "model", {"bos_token": "<s>", "eos_token": "</s>"})
     (model / "config.json").write_text("{}")
-    (model / "tokenizer.json").write_text("{}")  # the model's other tokenizer file (not read here)
     shutil.copy(sp_model, model / "tokenizer.model")
-    prepare([corpus[0]], model, tokenizer=model / "tokenizer.model", num_proc=1)
-    assert (model / "tokenizer.json").read_text() == "{}"
-    assert {"train.bin", "val.bin", "meta.json", "tokenizer.model", "config.json"} <= set(os.listdir(model))
+    prepare([corpus[0]], model, tokenizer=model, num_proc=1)
+    assert (model / "tokenizer.model").read_bytes() == sp_model.read_bytes()
+    assert data_prep.load_data_meta(str(model), 8)["tokenizer"]["kind"] == "hf"  # the data reads as it was made
+    # the data made with its tokenizer.model instead: its tokenizer.json would be read in its place
+    with pytest.raises(DataPrepError, match=r"is a model's folder, whose tokenizer\.json would be "
+                                            r"read with or instead of the tokenizer the data is made with \(tokenizer\.model\)"):
+        prepare([corpus[0]], model, tokenizer=model / "tokenizer.model", num_proc=1)
 
 
 def test_val_share_of_packed_samples_leaves_padding_out(sp_model, tmp_path, capsys):

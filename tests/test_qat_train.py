@@ -262,11 +262,12 @@ def test_data_changed_under_a_run_stops_it(script, store, tmp_path):
     if script == "kd_train.py":  # a student from scratch, and a teacher of the same shape trained one step
         run(SCRIPT, **{**BASE, "data_dir": data, "out_dir": tmp_path / "teacher", "max_iters": 1})
         settings["teacher_init"] = str(tmp_path / "teacher" / "ckpt.pt")
+    write = dict(data_dir=data, teacher_init=settings.get("teacher_init"), batch_size=BASE["batch_size"],
+                 block_size=BASE["block_size"], topk_write=True, teacher_topk=8, teacher_topk_dir=tmp_path / "store",
+                 out_dir=tmp_path / "w")
     if store:
-        run(script, data_dir=data, teacher_init=settings["teacher_init"], batch_size=BASE["batch_size"],
-            block_size=BASE["block_size"], topk_write=True, teacher_topk=8, teacher_topk_dir=tmp_path / "store",
-            out_dir=tmp_path / "w")
-        settings.update(teacher_topk_dir=str(tmp_path / "store"), teacher_init=str(tmp_path / "teacher" / "ckpt.pt"))
+        run(script, **write)
+        settings.update(teacher_topk_dir=str(tmp_path / "store"))
     changed = os.path.join(tmp_path / "store", "ids.bin") if store else os.path.join(data, "train.bin")
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen(command(script, **settings), cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=err)
@@ -275,10 +276,13 @@ def test_data_changed_under_a_run_stops_it(script, store, tmp_path):
             while not (out / "log.jsonl").exists() or not any("loss" in r for r in read_log(out)):
                 assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()[-4000:]
                 time.sleep(0.01)
-            # as data_prep.py moves its files in: another file of the same size in the same place
-            new = np.fromfile(changed, dtype=np.uint16)[::-1].copy()
-            new.tofile(changed + ".new")
-            os.replace(changed + ".new", changed)
+            if store:  # written again, as the store's writer does it: its files truncated and refilled in place
+                os.remove(tmp_path / "store" / "meta.json")
+                run(script, **write)
+            else:  # as data_prep.py moves its files in: another file of the same size in the same place
+                new = np.fromfile(changed, dtype=np.uint16)[::-1].copy()
+                new.tofile(changed + ".new")
+                os.replace(changed + ".new", changed)
             proc.wait(timeout=120)
         finally:
             proc.kill()
