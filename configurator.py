@@ -281,7 +281,11 @@ def code_digest(script):
 
 def ranks_disagree(jobs):
     """A line naming what the processes disagree on, given each rank's account of its job (a flat
-    dict: settings, and what it read: code, data and checkpoint digests), or None when all agree."""
+    dict: settings, and what it read: code, data and checkpoint digests), or None when all agree.
+    A process that failed before the comparison gives {"failed": its error} instead: that is the line."""
+    if failed := [r for r, job in enumerate(jobs) if "failed" in job]:
+        others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        return f"rank {failed[0]}{others} stopped: {jobs[failed[0]]['failed']}"
     def same(a, b):  # as JSON, so that a NaN (a store's teacher_val_loss, say) equals itself
         return json.dumps(a, sort_keys=True, default=repr) == json.dumps(b, sort_keys=True, default=repr)
 

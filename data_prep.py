@@ -202,7 +202,11 @@ def load_data_meta(data_dir, block_size):
         if not os.path.exists(os.path.join(data_dir, name)):
             raise DataPrepError(f"{os.path.join(data_dir, name)} is missing; run data_prep.py --out_dir {data_dir} first")
     with open(os.path.join(data_dir, "meta.json")) as f:
-        meta = json.load(f)
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataPrepError(f"{os.path.join(data_dir, 'meta.json')} is not JSON ({e}); run data_prep.py --out_dir "
+                                f"{data_dir} again") from None
     for name, d in (meta.get("data") or {}).items():  # files that are not the ones meta.json describes
         size = os.path.getsize(p) if os.path.exists(p := os.path.join(data_dir, name)) else None
         if size != d["bytes"]:

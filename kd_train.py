@@ -175,10 +175,15 @@ master_process = rank == 0
 compared = False  # whether the processes have found that they run one job (below)
 
 
-def fail(msg):
-    # until then a node may fail alone, on files of its own: the first process of each node says why
-    if master_process or (local_rank == 0 and not compared):
+def fail(msg, every_node=False):
+    # until then a node may fail alone, on files of its own: the first process of each node says why,
+    # and the others, which wait for this process's job, are handed its error instead and stop too
+    if master_process or (local_rank == 0 and (every_node or not compared)):
         print(f"error{f' (rank {rank})' if rank else ''}: {msg}", file=sys.stderr)
+    if world_size > 1 and not compared and dist.is_initialized():
+        dist.all_gather_object([None] * world_size, {"failed": msg})
+    if dist.is_initialized():
+        dist.destroy_process_group()
     sys.exit(2)
 
 
@@ -188,6 +193,29 @@ except ConfigError as e:
     fail(str(e))
 # recorded as derived: a resume compares it, and 0 would mean another batch on another process count
 config["gradient_accumulation_steps"] = gradient_accumulation_steps
+
+# -----------------------------------------------------------------------------
+# distributed init: a process group even for one process, so that one code path (FSDP2 on a
+# mesh of size 1) serves both `python` and `torchrun`. Before the checks that read files: a process
+# that fails on its node's own files then stops the others too (fail), rather than leave them waiting
+device_type = device
+if device_type == "cpu" and sys.platform == "linux":
+    # glibc hands each freed block over 32 MiB back to the system, so every vocabulary-sized
+    # temporary of a step (fp32 logits, their softmax, the KD's) is page-faulted in afresh, at 3-10x
+    # the op's own time: keep freed memory for reuse instead (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)
+    with suppress(OSError, AttributeError):  # not glibc
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)
+        libc.mallopt(-1, (1 << 31) - 1)
+if device_type == "cuda":
+    device = f"cuda:{local_rank}"
+    torch.cuda.set_device(device)
+# on CUDA, gloo beside nccl: with cpu_offload the gradients (and their norm) live on the CPU
+backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+if torchrun:
+    dist.init_process_group(backend, device_id=torch.device(device) if device_type == "cuda" else None)
+else:
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 if kd_divergence not in ("fkl", "rkl", "skl", "jsd"):
     fail(f"kd_divergence={kd_divergence!r} is unknown; use 'fkl', 'rkl', 'skl' or 'jsd'")
 if kd_ratio > 1 or jsd_beta > 1:
@@ -443,17 +471,7 @@ if topk_write:
     if store_meta is not None and (changed := [k for k in store_spec if store_meta.get(k, dtype if k == "dtype" else None) != store_spec[k]]):
         fail(f"{teacher_topk_dir} holds a store written with other {', '.join(changed)}; rerun with its settings to "
              f"finish it, or give another teacher_topk_dir")
-    if store_meta is not None and store_meta["complete"]:
-        if master_process:
-            # a store from before they were recorded: recorded now (its teacher's digest matched above)
-            if "stop_ids" not in store_meta or "teacher_tokenizers" not in store_meta:
-                store_meta.update(stop_ids=teacher_stops, teacher_tokenizers=tokenizers_of("teacher_init"))
-                try:
-                    write_store_meta()
-                except OSError as e:  # a read-only store, say: it still trains, its students unchecked
-                    print(f"warning: could not record the teacher's stop ids and tokenizer in {store_meta_path}: {e}")
-            print(f"the store in {teacher_topk_dir} is complete; nothing to write")
-        sys.exit(0)
+    store_done = store_meta is not None and store_meta["complete"]  # nothing to write: it stops once the processes agree
 try:
     quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip) if quant_bits else ()
 except ValueError as e:
@@ -461,32 +479,6 @@ except ValueError as e:
 
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 
-# -----------------------------------------------------------------------------
-# distributed init: a process group even for one process, so that one code path (FSDP2 on a
-# mesh of size 1) serves both `python` and `torchrun`
-device_type = device
-if device_type == "cpu" and sys.platform == "linux":
-    # glibc hands each freed block over 32 MiB back to the system, so every vocabulary-sized
-    # temporary of a step (fp32 logits, their softmax, the KD's) is page-faulted in afresh, at 3-10x
-    # the op's own time: keep freed memory for reuse instead (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)
-    with suppress(OSError, AttributeError):  # not glibc
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)
-        libc.mallopt(-1, (1 << 31) - 1)
-if device_type == "cuda":
-    device = f"cuda:{local_rank}"
-    torch.cuda.set_device(device)
-# on CUDA, gloo beside nccl: with cpu_offload the gradients (and their norm) live on the CPU
-backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
-if torchrun:
-    dist.init_process_group(backend, device_id=torch.device(device) if device_type == "cuda" else None)
-else:
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-# HSDP when replicate_degree > 1: each group of world_size / replicate_degree processes (a node)
-# holds one sharded copy, and gradients are all-reduced across the copies: inter-node traffic is
-# one gradient reduction per step instead of every parameter gather
-mesh = init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree) if replicate_degree > 1 else (world_size,),
-                        mesh_dim_names=("replicate", "shard") if replicate_degree > 1 else None)
 # every process must run one job. Each node reads its own copy of the code, the config, the data and
 # the checkpoints: one that differs (a config edited on one node, data prepared again there) would
 # train on beside the others without a word. Paths may differ between nodes, and what rank 0 alone
@@ -501,7 +493,24 @@ jobs = [None] * world_size
 dist.all_gather_object(jobs, job)
 compared = True
 if disagreement := ranks_disagree(jobs):
-    fail(disagreement)
+    fail(disagreement, every_node=any("failed" in j for j in jobs))  # a process that failed told its own node alone
+if topk_write and store_done:
+    if master_process:
+        # a store from before they were recorded: recorded now (its teacher's digest matched above)
+        if "stop_ids" not in store_meta or "teacher_tokenizers" not in store_meta:
+            store_meta.update(stop_ids=teacher_stops, teacher_tokenizers=tokenizers_of("teacher_init"))
+            try:
+                write_store_meta()
+            except OSError as e:  # a read-only store, say: it still trains, its students unchecked
+                print(f"warning: could not record the teacher's stop ids and tokenizer in {store_meta_path}: {e}")
+        print(f"the store in {teacher_topk_dir} is complete; nothing to write")
+    dist.destroy_process_group()
+    sys.exit(0)
+# HSDP when replicate_degree > 1: each group of world_size / replicate_degree processes (a node)
+# holds one sharded copy, and gradients are all-reduced across the copies: inter-node traffic is
+# one gradient reduction per step instead of every parameter gather
+mesh = init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree) if replicate_degree > 1 else (world_size,),
+                        mesh_dim_names=("replicate", "shard") if replicate_degree > 1 else None)
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (the GPU peak table assumes it)
 torch.backends.cudnn.allow_tf32 = True

@@ -139,10 +139,15 @@ master_process = rank == 0
 compared = False  # whether the processes have found that they run one job (below)
 
 
-def fail(msg):
-    # until then a node may fail alone, on files of its own: the first process of each node says why
-    if master_process or (local_rank == 0 and not compared):
+def fail(msg, every_node=False):
+    # until then a node may fail alone, on files of its own: the first process of each node says why,
+    # and the others, which wait for this process's job, are handed its error instead and stop too
+    if master_process or (local_rank == 0 and (every_node or not compared)):
         print(f"error{f' (rank {rank})' if rank else ''}: {msg}", file=sys.stderr)
+    if world_size > 1 and not compared and dist.is_initialized():
+        dist.all_gather_object([None] * world_size, {"failed": msg})
+    if dist.is_initialized():
+        dist.destroy_process_group()
     sys.exit(2)
 
 
@@ -152,6 +157,29 @@ except ConfigError as e:
     fail(str(e))
 # recorded as derived: a resume compares it, and 0 would mean another batch on another process count
 config["gradient_accumulation_steps"] = gradient_accumulation_steps
+
+# -----------------------------------------------------------------------------
+# distributed init: a process group even for one process, so that one code path (FSDP2 on a
+# mesh of size 1) serves both `python` and `torchrun`. Before the checks that read files: a process
+# that fails on its node's own files then stops the others too (fail), rather than leave them waiting
+device_type = device
+if device_type == "cpu" and sys.platform == "linux":
+    # glibc hands each freed block over 32 MiB back to the system, so every vocabulary-sized
+    # temporary of a step (fp32 logits, their softmax, the KD's) is page-faulted in afresh, at 3-10x
+    # the op's own time: keep freed memory for reuse instead (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)
+    with suppress(OSError, AttributeError):  # not glibc
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)
+        libc.mallopt(-1, (1 << 31) - 1)
+if device_type == "cuda":
+    device = f"cuda:{local_rank}"
+    torch.cuda.set_device(device)
+# on CUDA, gloo beside nccl: with cpu_offload the gradients (and their norm) live on the CPU
+backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+if torchrun:
+    dist.init_process_group(backend, device_id=torch.device(device) if device_type == "cuda" else None)
+else:
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 micro_steps = gradient_accumulation_steps // world_size  # micro-batches per process per step
 if optimizer_in_bwd and micro_steps > 1:
     fail("optimizer_in_bwd=True steps inside backward, so it cannot accumulate gradients; set gradient_accumulation_steps to the number of processes")
@@ -260,32 +288,6 @@ ckpt_scales = ({k: v for k, v in ckpt.get("model", {}).items() if k.endswith("le
                if init_from == "resume" or ckpt_fake_quant else {})
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 
-# -----------------------------------------------------------------------------
-# distributed init: a process group even for one process, so that one code path (FSDP2 on a
-# mesh of size 1) serves both `python` and `torchrun`
-device_type = device
-if device_type == "cpu" and sys.platform == "linux":
-    # glibc hands each freed block over 32 MiB back to the system, so every vocabulary-sized
-    # temporary of a step (fp32 logits, their softmax, the KD's) is page-faulted in afresh, at 3-10x
-    # the op's own time: keep freed memory for reuse instead (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)
-    with suppress(OSError, AttributeError):  # not glibc
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)
-        libc.mallopt(-1, (1 << 31) - 1)
-if device_type == "cuda":
-    device = f"cuda:{local_rank}"
-    torch.cuda.set_device(device)
-# on CUDA, gloo beside nccl: with cpu_offload the gradients (and their norm) live on the CPU
-backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
-if torchrun:
-    dist.init_process_group(backend, device_id=torch.device(device) if device_type == "cuda" else None)
-else:
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-# HSDP when replicate_degree > 1: each group of world_size / replicate_degree processes (a node)
-# holds one sharded copy, and gradients are all-reduced across the copies: inter-node traffic is
-# one gradient reduction per step instead of every parameter gather
-mesh = init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree) if replicate_degree > 1 else (world_size,),
-                        mesh_dim_names=("replicate", "shard") if replicate_degree > 1 else None)
 # every process must run one job. Each node reads its own copy of the code, the config, the data and
 # the checkpoints: one that differs (a config edited on one node, data prepared again there) would
 # train on beside the others without a word. Paths may differ between nodes, and what rank 0 alone
@@ -300,7 +302,12 @@ jobs = [None] * world_size
 dist.all_gather_object(jobs, job)
 compared = True
 if disagreement := ranks_disagree(jobs):
-    fail(disagreement)
+    fail(disagreement, every_node=any("failed" in j for j in jobs))  # a process that failed told its own node alone
+# HSDP when replicate_degree > 1: each group of world_size / replicate_degree processes (a node)
+# holds one sharded copy, and gradients are all-reduced across the copies: inter-node traffic is
+# one gradient reduction per step instead of every parameter gather
+mesh = init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree) if replicate_degree > 1 else (world_size,),
+                        mesh_dim_names=("replicate", "shard") if replicate_degree > 1 else None)
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (the GPU peak table assumes it)
 torch.backends.cudnn.allow_tf32 = True

@@ -94,6 +94,7 @@ def run(script, *args, nproc=1, check=True, env=None, timeout=600, **settings):
 # runs a script several times in one interpreter, so torch and torchao are imported once
 _DRIVER = r"""
 import contextlib, io, json, os, runpy, sys, traceback
+import torch.distributed as dist
 script, runs = sys.argv[1], json.load(sys.stdin)
 sys.path.insert(0, os.path.dirname(script))
 results = []
@@ -110,6 +111,8 @@ for argv, env in runs:
         except BaseException:
             traceback.print_exc()
             code = 1
+    if dist.is_initialized():  # the scripts' fail() leaves none; a traceback would, and break the next run
+        dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved_env)
     results.append((code, out.getvalue(), err.getvalue()))
@@ -120,7 +123,7 @@ print(json.dumps(results))
 def run_early_exits(script, runs, timeout=600):
     """Runs script once per (settings, env) in runs, all in one fresh Python process: a few
     seconds of imports instead of a few per run. Only for runs that stop before any real work
-    (config errors: no process group, no training). Returns a CompletedProcess per run, its
+    (errors in the settings and files: a process group of one at most, no training). Returns a CompletedProcess per run, its
     returncode the SystemExit code (1 for an uncaught exception, whose traceback is in stderr)."""
     argvs = [(command(script, **settings)[2:], env or {}) for settings, env in runs]
     r = subprocess.run([sys.executable, "-c", _DRIVER, str(ROOT / script)], input=json.dumps(argvs), cwd=ROOT,

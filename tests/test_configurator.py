@@ -284,6 +284,9 @@ def test_ranks_disagree_names_what_differs():
     assert "rank 1 differs from rank 0 in code (model.py); note. " in ranks_disagree([job, other])
     nan = {**job, "store": {"teacher_val_loss": float("nan")}}
     assert ranks_disagree([nan, {**nan, "store": {"teacher_val_loss": float("nan")}}]) is None
+    # a process that failed on its own files hands over its error, which is the line for every node
+    assert ranks_disagree([job, {"failed": "data/train.bin is missing"}, other, {"failed": "x"}]) == \
+        "rank 1 (and 1 more) stopped: data/train.bin is missing"
 
 
 def test_code_digest_hashes_the_modules_beside_the_script(tmp_path, monkeypatch):

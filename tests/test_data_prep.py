@@ -124,6 +124,9 @@ def test_counts_match_files(corpus, tmp_path, capsys):
         f.write(b"\0\0")
     with pytest.raises(DataPrepError, match=r"val\.bin is [\d,]+ bytes where .*meta\.json says [\d,]+ bytes: the data was changed"):
         data_prep.load_data_meta(out, 32)
+    (out / "meta.json").write_text(json.dumps(meta)[:-9])  # cut short (a copy interrupted): one line, not a traceback
+    with pytest.raises(DataPrepError, match=r"meta\.json is not JSON \(.*\); run data_prep\.py --out_dir"):
+        data_prep.load_data_meta(out, 32)
 
 
 def test_link_in_a_folder_is_read_once_and_a_bom_is_not_text(corpus, tmp_path):

@@ -145,10 +145,9 @@ def test_kd_sharded_resume_on_another_process_count(data, tmp_path):
     assert r.returncode == 2 and "dcp_to_torch_save" in r.stderr, r.stderr[-2000:]
 
 
-def two_nodes(nodes, first_to_end=None, timeout=300, env=None, args=()):
+def two_nodes(nodes, timeout=300, env=None, args=()):
     """Runs a job as two one-process nodes of torchrun on this machine: nodes holds (script, settings)
-    for each, so each can read its own files. Returns their CompletedProcesses. first_to_end: the node
-    to wait for alone, after which the other one is stopped (it waits on its peer)."""
+    for each, so each can read its own files. Returns their CompletedProcesses."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -159,9 +158,6 @@ def two_nodes(nodes, first_to_end=None, timeout=300, env=None, args=()):
                         "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0"]
             procs.append(subprocess.Popen([*launcher, *command(script, *args, **settings)[1:]], cwd=ROOT, env=script_env({**ENV, **(env or {})}),
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        if first_to_end is not None:
-            procs[first_to_end].wait(timeout=timeout)
-            procs[1 - first_to_end].terminate()  # torchrun passes it on to its worker, which runs in a session of its own
         results = []
         for p in procs:
             out, err = p.communicate(timeout=timeout)
@@ -218,14 +214,22 @@ def test_nodes_that_were_given_other_jobs_are_refused(data, tmp_path):
 
 
 def test_a_node_that_fails_alone_says_why(data, tmp_path):
-    # its files are its own: before the processes compare their jobs, the first process of every node speaks
+    # its files are its own: before the processes compare their jobs, the first process of every node
+    # speaks, and the others stop at once with its error (they waited for its job until torchrun's timeout)
     settings = {**BASE, "out_dir": tmp_path / "out", "max_iters": 2}
-    node0, node1 = two_nodes([("qat_train.py", {**settings, "data_dir": data}),
-                              ("qat_train.py", {**settings, "data_dir": tmp_path / "absent"})], first_to_end=1)
-    assert node1.returncode
-    assert errors(node1) == [f"error (rank 1): {tmp_path / 'absent' / 'train.bin'} is missing; run data_prep.py --out_dir "
-                             f"{tmp_path / 'absent'} first"]
-    assert errors(node0) == []
+    missing = (f"{tmp_path / 'absent' / 'train.bin'} is missing; run data_prep.py --out_dir {tmp_path / 'absent'} first")
+    for script, extra in (("qat_train.py", {}), ("kd_train.py", {"teacher_init": toy_checkpoint(tmp_path / "t.pt", 1)})):
+        node0, node1 = two_nodes([(script, {**settings, **extra, "data_dir": data}),
+                                  (script, {**settings, **extra, "data_dir": tmp_path / "absent"})], timeout=120)
+        assert node0.returncode and node1.returncode
+        assert errors(node1) == [f"error (rank 1): {missing}"]
+        assert errors(node0) == [f"error: rank 1 stopped: {missing}"]
+        # and the other way round: rank 0 failed, and node 1 says why
+        node0, node1 = two_nodes([(script, {**settings, **extra, "data_dir": tmp_path / "absent"}),
+                                  (script, {**settings, **extra, "data_dir": data})], timeout=120)
+        assert errors(node0) == [f"error: {missing}"]
+        assert errors(node1) == [f"error (rank 1): rank 0 stopped: {missing}"]
+        assert not (tmp_path / "out").exists()
 
 
 def test_kd_nodes_with_other_teachers_are_refused(data, tmp_path):
@@ -237,6 +241,22 @@ def test_kd_nodes_with_other_teachers_are_refused(data, tmp_path):
     assert errors(node0) == ["error: the processes were not given one job: rank 1 differs from rank 0 in checkpoints "
                              "(teacher_init). Each node reads its own code, config, data and checkpoints: make them the "
                              "same on every node"]
+
+
+def test_nodes_with_a_complete_store_stop_together(data, tmp_path):
+    # a store complete on one node and not on the other (stores local to each node): that node stopped
+    # alone, content, while the other waited for it until torchrun's timeout
+    settings = dict(data_dir=data, teacher_init=toy_checkpoint(tmp_path / "t.pt", 1), topk_write=True, teacher_topk=8,
+                    batch_size=4, block_size=32, out_dir=tmp_path / "kd")
+    run("kd_train.py", **settings, teacher_topk_dir=tmp_path / "s0", env=ENV)
+    node0, node1 = two_nodes([("kd_train.py", {**settings, "teacher_topk_dir": tmp_path / "s0"}),
+                              ("kd_train.py", {**settings, "teacher_topk_dir": tmp_path / "s1"})], timeout=120)
+    assert node0.returncode and node1.returncode
+    assert errors(node0)[0].startswith("error: the processes were not given one job: rank 1 differs from rank 0 in store (")
+    # the same complete store on both: nothing to write, on either
+    node0, node1 = two_nodes([("kd_train.py", {**settings, "teacher_topk_dir": tmp_path / "s0"})] * 2, timeout=120)
+    assert node0.returncode == node1.returncode == 0, node0.stderr[-2000:] + node1.stderr[-2000:]
+    assert "is complete; nothing to write" in node0.stdout
 
 
 def test_nodes_must_share_the_directory_they_all_write(data, tmp_path):
