@@ -12,6 +12,7 @@ $ python sample.py --init_from=out/tiny_qat/quantized.pt --export_pte=out/tiny_q
 
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -112,6 +113,10 @@ if export_pte:
 if start.startswith("FILE:"):
     with open(start[5:], encoding="utf-8") as f:
         start = f.read()
+if tok.specials and (found := tok.specials.search(start)):  # a chat template's markers, or a BOS of the user's own
+    print(f"warning: --start holds {found.group()!r}, a special token's text, which is encoded as plain text (as "
+          f"data_prep.py encodes it in documents), not as the special token; BOS is put before the prompt already",
+          file=sys.stderr)
 ids = ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(start)  # documents were trained from BOS
 if not ids:
     raise SystemExit("error: --start is empty and the tokenizer has no BOS to start from; give a prompt")

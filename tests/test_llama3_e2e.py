@@ -215,6 +215,10 @@ def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):
     r = run("sample.py", init_from=str(out / "ckpt.pt"), start="def f(x):", num_samples=1, max_new_tokens=5,
             temperature=0.0)
     assert "tokens/s" in r.stdout and "computing in float32" in r.stdout
+    assert "warning" not in r.stderr
+    # a special token's text in the prompt is plain text, as in the data, and said to be
+    r = run("sample.py", init_from=str(out / "ckpt.pt"), start="<s>def f(x):", num_samples=1, max_new_tokens=2)
+    assert "warning: --start holds '<s>', a special token's text, which is encoded as plain text" in r.stderr, r.stderr[-2000:]
     # a bfloat16 directory computes in the dtype asked for (float32 by default), not the file's
     bf16 = tmp_path / "bf16"
     transformers.LlamaForCausalLM.from_pretrained(hf_dir).to(torch.bfloat16).save_pretrained(bf16)
