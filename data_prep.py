@@ -319,7 +319,7 @@ def _tokenizer_config(path):
 
 
 def _hf_tokenizer(path, data):
-    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer
     try:
         tok = HFTokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception for a JSON it cannot read
@@ -347,6 +347,12 @@ def _hf_tokenizer(path, data):
         return i
 
     bos_id, eos_id = special_id("bos_token"), special_id("eos_token")
+    # an added token not marked special is matched in text even so: a BOS or EOS of that kind would
+    # turn "</s>" written in a document into the end of one. Marked special here (its id stays), it is text
+    added = {t.content: t for t in tok.get_added_tokens_decoder().values()}
+    tok.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                                       normalized=t.normalized, special=True)
+                            for t in (added.get(tok.id_to_token(i)) for i in {bos_id, eos_id} - {None}) if t and not t.special])
     ids, text_ids = tok.encode("a").ids, tok.encode("a", add_special_tokens=False).ids
     if bos_id is None and len(ids) > len(text_ids) and ids[1:len(text_ids) + 1] == text_ids:
         bos_id = ids[0]  # the post-processor puts a BOS before every text, though no config names it: as transformers does

@@ -126,13 +126,26 @@ def test_llama3_specials_and_literal_special_text(tmp_path):
     assert tok.decode(tok.encode(" " * 30_000 + "x")) == " " * 30_000 + "x"  # long runs are split, as Meta's
 
 
-@pytest.mark.parametrize("kind", ["sentencepiece", "hf", "tiktoken"])
+def write_hf_loose_eos(folder):
+    """write_hf's tokenizer with its EOS an added token not marked special, which tokenizers matches in text."""
+    write_hf(folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    for t in spec["added_tokens"]:
+        t["special"] = t["special"] and t["content"] != "</s>"
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf", "hf-loose-eos", "tiktoken"])
 def test_chat_markers_in_the_data_are_named(kind, tmp_path, capsys):
     # prompt/response samples with a chat format written in: encoded as text (as every text is),
     # which prepare says, naming one; a corpus with one stray marker in a hundred documents is not a format
     path = {"sentencepiece": lambda: write_sentencepiece(tmp_path / "sp.model"), "hf": lambda: write_hf(tmp_path / "hf"),
+            "hf-loose-eos": lambda: write_hf_loose_eos(tmp_path / "hf"),
             "tiktoken": lambda: write_tiktoken(tmp_path / "tokenizer.model")[0]}[kind]()
-    marker = {"sentencepiece": "</s>", "hf": "</s>", "tiktoken": "<|eot_id|>"}[kind]
+    marker = {"sentencepiece": "</s>", "hf": "</s>", "hf-loose-eos": "</s>", "tiktoken": "<|eot_id|>"}[kind]
+    tok = load_tokenizer(str(path))
+    assert tok.eos_id not in tok.encode(f"a{marker} b")  # text, not the end of a document
     sft = tmp_path / "chat.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"user: hi {i}{marker}", "response": f"hello {i}{marker}"}) + "\n"
                            for i in range(40)))
