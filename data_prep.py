@@ -347,18 +347,18 @@ def _hf_tokenizer(path, data):
         return i
 
     bos_id, eos_id = special_id("bos_token"), special_id("eos_token")
-    # an added token not marked special is matched in text even so: a BOS or EOS of that kind would
-    # turn "</s>" written in a document into the end of one. Marked special here (its id stays), it is text
-    added = {t.content: t for t in tok.get_added_tokens_decoder().values()}
-    tok.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
-                                       normalized=t.normalized, special=True)
-                            for t in (added.get(tok.id_to_token(i)) for i in {bos_id, eos_id} - {None}) if t and not t.special])
     ids, text_ids = tok.encode("a").ids, tok.encode("a", add_special_tokens=False).ids
     if bos_id is None and len(ids) > len(text_ids) and ids[1:len(text_ids) + 1] == text_ids:
         bos_id = ids[0]  # the post-processor puts a BOS before every text, though no config names it: as transformers does
     if eos_id is None:
         raise DataPrepError(f"tokenizer {path} has no eos_token: put the tokenizer_config.json (or "
                             f"special_tokens_map.json) that names it beside it")
+    # an added token not marked special is matched in text even so: a BOS or EOS of that kind would
+    # turn "</s>" written in a document into the end of one. Marked special here (its id stays), it is text
+    added = {t.content: t for t in tok.get_added_tokens_decoder().values()}
+    tok.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                                       normalized=t.normalized, special=True)
+                            for t in (added.get(tok.id_to_token(i)) for i in {bos_id, eos_id} - {None}) if t and not t.special])
     # the post-processor decides whether a text starts with BOS, as in transformers 5 (and 4's
     # PreTrainedTokenizerFast, Llama 3's class); 4's LlamaTokenizerFast rebuilds it from add_bos_token
     # instead, so a config that says otherwise would train and deploy with different BOS

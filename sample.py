@@ -115,8 +115,8 @@ if start.startswith("FILE:"):
         start = f.read()
 if tok.specials and (found := tok.specials.search(start)):  # a chat template's markers, or a BOS of the user's own
     print(f"warning: --start holds {found.group()!r}, a special token's text, which is encoded as plain text (as "
-          f"data_prep.py encodes it in documents), not as the special token; BOS is put before the prompt already",
-          file=sys.stderr)
+          f"data_prep.py encodes it in documents), not as the special token"
+          f"{'; BOS is put before the prompt already' if tok.bos_id is not None else ''}", file=sys.stderr)
 ids = ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(start)  # documents were trained from BOS
 if not ids:
     raise SystemExit("error: --start is empty and the tokenizer has no BOS to start from; give a prompt")

@@ -127,11 +127,12 @@ def test_llama3_specials_and_literal_special_text(tmp_path):
 
 
 def write_hf_loose_eos(folder):
-    """write_hf's tokenizer with its EOS an added token not marked special, which tokenizers matches in text."""
-    write_hf(folder)
+    """write_hf's tokenizer with its BOS and EOS added tokens not marked special, which tokenizers
+    matches in text; BOS named by the post-processor alone."""
+    write_hf(folder, config={"eos_token": "</s>"})
     spec = json.loads((folder / "tokenizer.json").read_text())
     for t in spec["added_tokens"]:
-        t["special"] = t["special"] and t["content"] != "</s>"
+        t["special"] = t["special"] and t["content"] not in ("<s>", "</s>")
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     return folder
 
@@ -146,6 +147,7 @@ def test_chat_markers_in_the_data_are_named(kind, tmp_path, capsys):
     marker = {"sentencepiece": "</s>", "hf": "</s>", "hf-loose-eos": "</s>", "tiktoken": "<|eot_id|>"}[kind]
     tok = load_tokenizer(str(path))
     assert tok.eos_id not in tok.encode(f"a{marker} b")  # text, not the end of a document
+    assert tok.bos_id is None or tok.bos_id not in tok.encode("a<s> b<|begin_of_text|>")
     sft = tmp_path / "chat.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"user: hi {i}{marker}", "response": f"hello {i}{marker}"}) + "\n"
                            for i in range(40)))
