@@ -292,6 +292,18 @@ def load_tokenizer(path):
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if sp.id_to_piece(eos_id := sp.piece_to_id(eos)) != eos:
             raise DataPrepError(f"{extras[0]} names eos_token {eos!r}, which {path} does not have")
+    if eos_id is not None and not sp.is_control(eos_id):
+        # a user-defined or ordinary piece is matched in text: "<|im_end|>" written in a document would
+        # end it. Made a control piece here (its id stays), it is text, as every special's string is
+        try:
+            from sentencepiece import sentencepiece_model_pb2 as pb  # needs protobuf, which sentencepiece does not
+        except ImportError:
+            raise DataPrepError(f"{extras[0]} names eos_token {sp.id_to_piece(eos_id)!r}, a piece {path} matches in text; "
+                                f"reading it there as text needs protobuf: pip install protobuf") from None
+        proto = pb.ModelProto.FromString(data)
+        proto.pieces[eos_id].type = pb.ModelProto.SentencePiece.CONTROL
+        sp = spm.SentencePieceProcessor()
+        sp.LoadFromSerializedProto(proto.SerializeToString())
     controls = [sp.id_to_piece(i) for i in range(sp.vocab_size()) if sp.is_control(i)]
     return Tokenizer("sentencepiece", [path] + extras, sp.vocab_size(), bos_id, eos_id, sp.encode, sp.decode, controls)
 

@@ -126,6 +126,18 @@ def test_llama3_specials_and_literal_special_text(tmp_path):
     assert tok.decode(tok.encode(" " * 30_000 + "x")) == " " * 30_000 + "x"  # long runs are split, as Meta's
 
 
+def write_sentencepiece_user_eos(folder):
+    """write_sentencepiece's model with a user-defined piece "<|im_end|>" (which SentencePiece matches in
+    text) that a tokenizer_config.json names as EOS, as some chat models' tokenizers do."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    folder.mkdir()
+    proto = pb.ModelProto.FromString(write_sentencepiece(folder / "tokenizer.model").read_bytes())
+    proto.pieces.add(piece="<|im_end|>", score=0.0, type=pb.ModelProto.SentencePiece.USER_DEFINED)
+    (folder / "tokenizer.model").write_bytes(proto.SerializeToString())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return folder
+
+
 def write_hf_loose_eos(folder):
     """write_hf's tokenizer with its BOS and EOS added tokens not marked special, which tokenizers
     matches in text; BOS named by the post-processor alone."""
@@ -137,14 +149,16 @@ def write_hf_loose_eos(folder):
     return folder
 
 
-@pytest.mark.parametrize("kind", ["sentencepiece", "hf", "hf-loose-eos", "tiktoken"])
+@pytest.mark.parametrize("kind", ["sentencepiece", "sentencepiece-user-eos", "hf", "hf-loose-eos", "tiktoken"])
 def test_chat_markers_in_the_data_are_named(kind, tmp_path, capsys):
     # prompt/response samples with a chat format written in: encoded as text (as every text is),
     # which prepare says, naming one; a corpus with one stray marker in a hundred documents is not a format
     path = {"sentencepiece": lambda: write_sentencepiece(tmp_path / "sp.model"), "hf": lambda: write_hf(tmp_path / "hf"),
             "hf-loose-eos": lambda: write_hf_loose_eos(tmp_path / "hf"),
+            "sentencepiece-user-eos": lambda: write_sentencepiece_user_eos(tmp_path / "sp"),
             "tiktoken": lambda: write_tiktoken(tmp_path / "tokenizer.model")[0]}[kind]()
-    marker = {"sentencepiece": "</s>", "hf": "</s>", "hf-loose-eos": "</s>", "tiktoken": "<|eot_id|>"}[kind]
+    marker = {"sentencepiece": "</s>", "sentencepiece-user-eos": "<|im_end|>", "hf": "</s>", "hf-loose-eos": "</s>",
+              "tiktoken": "<|eot_id|>"}[kind]
     tok = load_tokenizer(str(path))
     assert tok.eos_id not in tok.encode(f"a{marker} b")  # text, not the end of a document
     assert tok.bos_id is None or tok.bos_id not in tok.encode("a<s> b<|begin_of_text|>")
