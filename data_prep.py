@@ -116,7 +116,9 @@ class DataPrepError(ValueError):
 
 # ----------------------------------------------------------------------------- tokenizers
 
-# Meta's Llama 3 tokenizer.py: its pre-tokenizer regex, and 256 special tokens numbered after the base ones
+# Meta's Llama 3 tokenizer.py: its pre-tokenizer regex, and 256 special tokens numbered after the
+# 128,000 base ones (every Llama 3, 3.1, 3.2 and 3.3 tokenizer.model)
+LLAMA3_PIECES = 128_000
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
@@ -403,6 +405,10 @@ def _tiktoken_ranks(data):
 def _tiktoken_tokenizer(path, ranks):
     import tiktoken
     n = len(ranks)
+    if n != LLAMA3_PIECES:  # Llama 4's and OpenAI's files are tiktoken files too, with other specials and splits
+        raise DataPrepError(f"tokenizer {path} is a tiktoken file of {n:,} tokens, which is read as Meta's Llama 3 "
+                            f"tokenizer.model only with Llama 3's {LLAMA3_PIECES:,} (its special tokens and split "
+                            f"pattern are Llama 3's); give the model's Hugging Face tokenizer.json instead")
     if sorted(ranks.values()) != list(range(n)):
         raise DataPrepError(f"tokenizer {path} is a tiktoken file whose ranks are not 0..{n - 1}, so Llama 3's "
                             f"special tokens (numbered from {n}) would collide with them")

@@ -34,13 +34,15 @@ def write_corpus(root):
     return root
 
 
-def write_tiktoken(path, merges=LLAMA3_MERGES, n_pairs=0):
+def write_tiktoken(path, merges=LLAMA3_MERGES, n_pairs=0, n=128_000):
     """A tiktoken BPE file as Meta ships Llama 3's: the 256 bytes, then merges (or all byte pairs
-    up to n_pairs), one "base64 rank" per line."""
+    up to n_pairs), one "base64 rank" per line, n tokens in all (Llama 3's 128,000): the rest are
+    tokens no text forms (they start with 0xF8, a byte UTF-8 never holds)."""
     tokens = [bytes([b]) for b in range(256)]
     tokens += list(dict.fromkeys(m for m in merges if len(m) > 1))
     tokens += [bytes([a, b]) for a in range(256) for b in range(256)][:n_pairs]
     tokens = list(dict.fromkeys(tokens))
+    tokens += [b"\xf8" + i.to_bytes(3, "big") for i in range(n - len(tokens))]
     path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
     return path, len(tokens)
 
@@ -106,7 +108,7 @@ def test_round_trip_and_special_ids(kind, tmp_path):
     assert tok.kind == kind and (tok.bos_id, tok.eos_id) == ids
     out = tmp_path / "out"
     meta = prepare([write_corpus(tmp_path / "corpus")], out, tokenizer=path, val_fraction=0.2, num_proc=1)
-    assert (meta["bos_id"], meta["eos_id"]) == ids and meta["dtype"] == "uint16"
+    assert (meta["bos_id"], meta["eos_id"]) == ids and meta["dtype"] == ("uint32" if kind == "tiktoken" else "uint16")
     assert sorted(decode_documents(out, tok)) == sorted(TEXTS.values())
     # out_dir's copy is the same tokenizer, found by the folder alone
     fp = load_tokenizer(out).fingerprint()
@@ -124,6 +126,11 @@ def test_llama3_specials_and_literal_special_text(tmp_path):
     # Meta's split keeps digits in threes and a space with the word after it
     assert [tok.decode([i]) for i in tok.encode("12345 the")][:2] == ["1", "2"]  # no digit merges in this vocabulary
     assert tok.decode(tok.encode(" " * 30_000 + "x")) == " " * 30_000 + "x"  # long runs are split, as Meta's
+    # another model's tiktoken file (Llama 4's 200,000 tokens, OpenAI's) has other specials and splits: refused
+    other, _ = write_tiktoken(tmp_path / "other.model", n=200_000)
+    with pytest.raises(DataPrepError, match="is a tiktoken file of 200,000 tokens, which is read as Meta's Llama 3 "
+                                            "tokenizer.model only with Llama 3's 128,000"):
+        load_tokenizer(other)
 
 
 def write_sentencepiece_user_eos(folder):
