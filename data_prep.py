@@ -295,14 +295,14 @@ def load_tokenizer(path):
         if sp.id_to_piece(eos_id := sp.piece_to_id(eos)) != eos:
             raise DataPrepError(f"{extras[0]} names eos_token {eos!r}, which {path} does not have")
     if eos_id is not None and not sp.is_control(eos_id):
-        # a user-defined or ordinary piece is matched in text: "<|im_end|>" written in a document would
+        # SentencePiece matches a user-defined piece in text: "<|im_end|>" written in a document would
         # end it. Made a control piece here (its id stays), it is text, as every special's string is
-        try:
-            from sentencepiece import sentencepiece_model_pb2 as pb  # needs protobuf, which sentencepiece does not
-        except ImportError:
-            raise DataPrepError(f"{extras[0]} names eos_token {sp.id_to_piece(eos_id)!r}, a piece {path} matches in text; "
-                                f"reading it there as text needs protobuf: pip install protobuf") from None
+        from sentencepiece import sentencepiece_model_pb2 as pb  # protobuf (requirements.txt)
         proto = pb.ModelProto.FromString(data)
+        if proto.pieces[eos_id].type != pb.ModelProto.SentencePiece.USER_DEFINED:  # <unk>, a byte, a piece of words
+            raise DataPrepError(f"{extras[0]} names eos_token {eos!r}, which {path} holds as a piece of ordinary text "
+                                f"(neither a control nor a user-defined piece), so a document would end wherever text "
+                                f"is cut into it; name the model's end-of-text piece")
         proto.pieces[eos_id].type = pb.ModelProto.SentencePiece.CONTROL
         sp = spm.SentencePieceProcessor()
         sp.LoadFromSerializedProto(proto.SerializeToString())

@@ -305,7 +305,7 @@ def test_rope_frequencies_of_real_llama3_configs(factor):
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "sentencepiece-dummy-prefix", "tiktoken"])
-def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_path, kind):
+def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_path, kind, monkeypatch):
     # a tokenizer.model alone (data_prep's SentencePiece model, Llama 2's, Meta's Llama 3 tiktoken
     # file): the export adds the tokenizer_config.json without which AutoTokenizer drops the BOS
     # and, for tiktoken, the special tokens
@@ -314,6 +314,9 @@ def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_pa
     from data_prep import load_tokenizer
     from test_tokenizers import TEXTS, write_sentencepiece, write_tiktoken
     src = tmp_path / "tokenizer.model"
+    # transformers reads a tiktoken file through tiktoken's cache, which is keyed by the path alone: an
+    # earlier run's file at a reused pytest path would be read instead
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
     if kind == "tiktoken":
         write_tiktoken(src)
     elif kind == "sentencepiece":

@@ -2,11 +2,13 @@
 import base64
 import hashlib
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 import pytest
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -238,6 +240,12 @@ def test_sentencepiece_folder_follows_its_tokenizer_config(tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
     with pytest.raises(DataPrepError, match="names eos_token '<eos>', which"):
         load_tokenizer(folder)
+    # a piece that text is cut into cannot end documents (a user-defined one is made a control piece: above)
+    for piece in ("<unk>", spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).id_to_piece(300)):
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": piece}))
+        with pytest.raises(DataPrepError, match=f"names eos_token {re.escape(repr(piece))}, which .* holds as a piece of "
+                                                f"ordinary text"):
+            load_tokenizer(folder)
 
 
 def test_saved_truncation_and_padding_do_not_apply(tmp_path):
