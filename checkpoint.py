@@ -381,6 +381,13 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     if ckpt.get("data") != data_meta.get("data"):
         raise ValueError(f"the data is not the data {path} was trained on (its files differ); "
                          f"resume with the same data_dir contents or start a new out_dir")
+    profiled = sum(config.get(f"profile_{k}", 0) for k in ("wait", "warmup", "active"))
+    if config.get("profile") and not config.get("convert_only") and config["max_iters"] - ckpt["iter_num"] < profiled:
+        # the profiler counts this process's steps, not the run's
+        raise ValueError(f"profile=True records this run's steps {config['profile_wait'] + config['profile_warmup']} to "
+                         f"{profiled - 1} (profile_wait, profile_warmup, profile_active), and resumed at step "
+                         f"{ckpt['iter_num']} it has {max(0, config['max_iters'] - ckpt['iter_num'])} left before "
+                         f"max_iters={config['max_iters']}: no trace would be written; raise max_iters or lower them")
     if asked is None:
         return ""
     theirs = ckpt["config"]

@@ -804,6 +804,19 @@ if teacher is not None:
 del init_state, teacher_state
 
 # -----------------------------------------------------------------------------
+def init_optimizer_state(opt):
+    """Makes now, for every parameter, the state AdamW makes at its first step. A parameter without
+    a gradient yet (a learned scale before fake quant starts) would have none when a checkpoint is
+    written: torch's state-dict helpers then step it once at lr 0 to make one, which runs its step
+    count one ahead for the rest of training, and a resume from that checkpoint finds no state for it."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            on_device = group["fused"] or group["capturable"]  # else AdamW keeps the count on the CPU
+            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
+                            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
 # optimizer: AdamW over the trainable parameters (the adapters alone with LoRA), decay on weight
 # matrices only (not on learned scales: it would shrink the grid)
 params = [p for p in model.parameters() if p.requires_grad]
@@ -813,6 +826,7 @@ groups = [{"params": [p for p in params if p.ndim >= 2 and p not in scales], "we
           {"params": [p for p in params if p in scales], "weight_decay": 0.0, "lr_ratio": range_lr_ratio}]
 optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=learning_rate, betas=(beta1, beta2),
                               fused=True)  # one kernel per step, on GPUs and CPUs alike
+init_optimizer_state(optimizer)
 iter_num = 0
 if sharded_from:  # every rank reads its own shards, with the optimizer's state
     load_sharded_checkpoint(model, [optimizer], sharded_from)

@@ -526,6 +526,19 @@ if not sharded_from:  # a sharded checkpoint is read after the optimizer exists,
 del init_state
 
 # -----------------------------------------------------------------------------
+def init_optimizer_state(opt):
+    """Makes now, for every parameter, the state AdamW makes at its first step. A parameter without
+    a gradient yet (a learned scale before fake quant starts) would have none when a checkpoint is
+    written: torch's state-dict helpers then step it once at lr 0 to make one, which runs its step
+    count one ahead for the rest of training, and a resume from that checkpoint finds no state for it."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            on_device = group["fused"] or group["capturable"]  # else AdamW keeps the count on the CPU
+            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
+                            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
 # optimizer: AdamW, weight decay on weight matrices only (not on learned scales: it would shrink
 # the grid). With optimizer_in_bwd, one AdamW per parameter, stepped by a hook as soon as its
 # gradient is reduced, so gradients never pile up
@@ -548,6 +561,8 @@ if optimizer_in_bwd:
         opt.param_groups[0]["params"][0].register_post_accumulate_grad_hook(lambda p, opt=opt: step_in_backward(p, opt))
 else:
     optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **opt_kw)]
+for opt in optimizers:
+    init_optimizer_state(opt)
 
 iter_num = 0
 if sharded_from:  # every rank reads its own shards; the optimizer's state only to resume

@@ -426,6 +426,19 @@ def test_resume_changes_the_schedule_only_when_asked(theirs, ours, asked, says):
     assert said.startswith(says) and bool(said) == bool(says)
 
 
+def test_a_resume_too_close_to_its_end_to_profile_is_refused():
+    # the profiler counts the steps of this process, not of the run: resumed at step 495 of 500, a
+    # run has 5 steps where the trace needs 10, and would write none without a word
+    config = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 10, "lr_decay_iters": 0, "max_iters": 500,
+              "profile": True, "profile_wait": 5, "profile_warmup": 2, "profile_active": 3}
+    ckpt = {"config": config, "script": "qat_train.py", "iter_num": 495}
+    with pytest.raises(ValueError, match=r"records this run's steps 7 to 9 .* resumed at step 495 it has 5 left before "
+                                         r"max_iters=500: no trace would be written"):
+        check_resume(ckpt, config, (), {}, "ckpt.pt", "qat_train.py", asked=set())
+    assert check_resume({**ckpt, "iter_num": 490}, config, (), {}, "ckpt.pt", "qat_train.py", asked=set()) == ""
+    assert check_resume(ckpt, {**config, "profile": False}, (), {}, "ckpt.pt", "qat_train.py", asked=set()) == ""
+
+
 def test_stop_ids(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
     assert source_stop_ids(str(tmp_path), None) == [7]

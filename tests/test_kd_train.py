@@ -544,8 +544,11 @@ def test_qad_delayed_learned_scales_and_resume_settings(setup, tmp_path):
     # rate, not those of the optimizer state it loads
     common = dict(BASE, data_dir=setup["data"], init_from=setup["teacher"], teacher_init=setup["teacher"],
                   quantizer="8da2w", max_iters=2, learning_rate=1e-2, kd_ratio=0.5)
-    learned, dynamic, resumed = (str(tmp_path / n) for n in ("learned", "dynamic", "resumed"))
+    learned, dynamic, resumed, early = (str(tmp_path / n) for n in ("learned", "dynamic", "resumed", "early"))
+    # ... and a run stopped before its fake quant began (its scales have no optimizer state yet) resumes as the straight run
+    chain = dict(common, out_dir=early, range_learning=True, fake_quant_after_n_steps=1, lr_decay_iters=2)
     run_in_one_process([("kd_train.py", dict(common, out_dir=learned, range_learning=True, fake_quant_after_n_steps=1)),
+                        ("kd_train.py", dict(chain, max_iters=1)), ("kd_train.py", dict(chain, init_from="resume")),
                         ("kd_train.py", dict(common, out_dir=dynamic, fake_quant_after_n_steps=1)),
                         # quant_skip as a user may write it, compared as normalized ('layers.0')
                         ("kd_train.py", dict(common, out_dir=resumed, range_learning=True, max_iters=1, range_lr_ratio=0.01,
@@ -554,6 +557,9 @@ def test_qad_delayed_learned_scales_and_resume_settings(setup, tmp_path):
                                              beta2=0.99, quant_skip=("layers.0.",)))], tmp_path)
     a, b = (train_lines(read_log(d))[1] for d in (learned, dynamic))
     assert a["fake_quant"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    ends = [torch.load(os.path.join(d, "ckpt.pt"), weights_only=True)["model"] for d in (learned, early)]
+    assert ends[0].keys() == ends[1].keys() and any(k.endswith("learned_scale") for k in ends[0])
+    assert max((ends[0][k] - ends[1][k]).abs().max().item() for k in ends[0]) < 1e-6
     groups = torch.load(os.path.join(resumed, "ckpt.pt"), weights_only=True)["optimizer"]["param_groups"]
     assert all(g["weight_decay"] == 0.0 and tuple(g["betas"]) == (0.9, 0.99) for g in groups)
     assert [g.get("lr_ratio") for g in groups][-1] == 1.0

@@ -215,6 +215,26 @@ def test_resume_across_fake_quant_switch(train, data, tmp_path):
     assert summary(log)["quant_val_loss"] == pytest.approx(summary(read_log(straight))["quant_val_loss"], rel=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["one_optimizer", "optimizer_in_bwd", "sharded"])
+def test_learned_scales_resume_from_before_fake_quant(train, data, tmp_path, kind):
+    # learned scales get no gradient until fake quant starts, so AdamW would have no state for them
+    # yet: a checkpoint written before then must resume as the straight run does, and writing one
+    # must not change the training (torch's state-dict helpers would step a stateless optimizer once)
+    rl = dict(QAT, quantizer="8da2w", range_learning=True)
+    rl.update({"one_optimizer": {}, "sharded": dict(sharded_checkpoint=True),
+               "optimizer_in_bwd": dict(optimizer_in_bwd=True, gradient_accumulation_steps=1, grad_clip=float("inf"))}[kind])
+    straight = summary(read_log(train(**rl))), losses(read_log(train(**rl)))
+    assert_same_losses(losses(read_log(train(**rl, ckpt_interval=1))), straight[1], rel=1e-6)
+    out = tmp_path / "resumed"
+    settings = {**BASE, **rl, "data_dir": data, "out_dir": out, "lr_decay_iters": BASE["max_iters"]}
+    run(SCRIPT, **{**settings, "max_iters": 1})
+    run(SCRIPT, **{**settings, "init_from": "resume"})
+    assert_same_losses(losses(read_log(out)), straight[1], rel=1e-6)
+    resumed = summary(read_log(out))
+    assert resumed["method"] == straight[0]["method"] == "qat"
+    assert resumed["quant_val_loss"] == pytest.approx(straight[0]["quant_val_loss"], rel=1e-6)
+
+
 def test_kill_and_resume_reproduces_straight_run(train, data, tmp_path):
     # killed right after its first checkpoint (any checkpoint must reproduce, so the timing of
     # the kill does not matter), then resumed: the steps after it must be the straight run's
