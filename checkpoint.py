@@ -384,9 +384,9 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     profiled = sum(config.get(f"profile_{k}", 0) for k in ("wait", "warmup", "active"))
     if config.get("profile") and not config.get("convert_only") and config["max_iters"] - ckpt["iter_num"] < profiled:
         # the profiler counts this process's steps, not the run's
-        raise ValueError(f"profile=True records this run's steps {config['profile_wait'] + config['profile_warmup']} to "
-                         f"{profiled - 1} (profile_wait, profile_warmup, profile_active), and resumed at step "
-                         f"{ckpt['iter_num']} it has {max(0, config['max_iters'] - ckpt['iter_num'])} left before "
+        first = ckpt["iter_num"] + config["profile_wait"] + config["profile_warmup"]
+        raise ValueError(f"profile=True records steps {first} to {ckpt['iter_num'] + profiled - 1} of a run resumed at step "
+                         f"{ckpt['iter_num']} (its profile_wait, profile_warmup and profile_active count from there), past "
                          f"max_iters={config['max_iters']}: no trace would be written; raise max_iters or lower them")
     if asked is None:
         return ""

@@ -826,7 +826,8 @@ groups = [{"params": [p for p in params if p.ndim >= 2 and p not in scales], "we
           {"params": [p for p in params if p in scales], "weight_decay": 0.0, "lr_ratio": range_lr_ratio}]
 optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=learning_rate, betas=(beta1, beta2),
                               fused=True)  # one kernel per step, on GPUs and CPUs alike
-init_optimizer_state(optimizer)
+if not topk_write:  # writing the store trains nothing: no state to hold
+    init_optimizer_state(optimizer)
 iter_num = 0
 if sharded_from:  # every rank reads its own shards, with the optimizer's state
     load_sharded_checkpoint(model, [optimizer], sharded_from)

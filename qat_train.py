@@ -561,7 +561,7 @@ if optimizer_in_bwd:
         opt.param_groups[0]["params"][0].register_post_accumulate_grad_hook(lambda p, opt=opt: step_in_backward(p, opt))
 else:
     optimizers = [torch.optim.AdamW([g for g in groups if g["params"]], **opt_kw)]
-for opt in optimizers:
+for opt in optimizers if not convert_only else ():  # a conversion trains nothing: no state to hold
     init_optimizer_state(opt)
 
 iter_num = 0
