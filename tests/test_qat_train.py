@@ -223,7 +223,8 @@ def test_learned_scales_resume_from_before_fake_quant(train, data, tmp_path, kin
     rl = dict(QAT, quantizer="8da2w", range_learning=True)
     rl.update({"one_optimizer": {}, "sharded": dict(sharded_checkpoint=True),
                "optimizer_in_bwd": dict(optimizer_in_bwd=True, gradient_accumulation_steps=1, grad_clip=float("inf"))}[kind])
-    straight = summary(read_log(train(**rl))), losses(read_log(train(**rl)))
+    log = read_log(train(**rl))
+    straight = summary(log), losses(log)
     assert_same_losses(losses(read_log(train(**rl, ckpt_interval=1))), straight[1], rel=1e-6)
     out = tmp_path / "resumed"
     settings = {**BASE, **rl, "data_dir": data, "out_dir": out, "lr_decay_iters": BASE["max_iters"]}
