@@ -392,13 +392,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, tokens, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, generator=None,
-                 use_cache=True):
+                 use_cache=True, n_ids=None):
         """Samples max_new_tokens after tokens (B, T); temperature 0 is greedy. With use_cache the
         prompt runs once and every later step runs only the newest token, reading earlier keys and
         values from per-layer caches that live only during this call. A context longer than
         max_seq_len has positions beyond the RoPE tables: from then on each step re-runs the last
         max_seq_len tokens from position 0, as use_cache=False does at every step, so a long
-        generation slows down rather than fails. eos_id: an id or a list of them, where a sequence ends."""
+        generation slows down rather than fails. eos_id: an id or a list of them, where a sequence ends.
+        n_ids: the tokenizer's size, when the embedding has padding rows past it: those ids are never drawn."""
         L = self.args.max_seq_len
         eos = None if eos_id is None else torch.tensor(eos_id, device=tokens.device).view(-1)
         caches = None
@@ -412,6 +413,8 @@ class Transformer(nn.Module):
             else:
                 h = self._hidden(tokens[:, -L:])
             logits = self.output(h[:, -1]).float()  # (B, V)
+            if n_ids is not None:
+                logits[:, n_ids:] = -float("inf")
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:

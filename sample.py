@@ -127,7 +127,8 @@ print(f"{init_from}: {'quantized' if quantized else 'full precision'}, {sum(p.nu
 
 def timed_generate(n):
     t0 = time.perf_counter()
-    y = model.generate(x, n, temperature=temperature, top_k=top_k or None, eos_id=stops)
+    y = model.generate(x, n, temperature=temperature, top_k=top_k or None, eos_id=stops,
+                       n_ids=tok.vocab_size)
     return y, time.perf_counter() - t0
 
 

@@ -207,3 +207,19 @@ def test_cached_generate_past_max_seq_len_reruns_the_last_window():
     out, lengths = forward_lengths(model, tokens_for(2, 6), 5)
     assert lengths == [6, 1, 1, 8, 8]  # positions 0..7 fit the cache; then the last 8 tokens each step
     assert torch.equal(out, model.generate(tokens_for(2, 6), 5, temperature=0, use_cache=False))
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_generate_never_draws_the_embeddings_padding_rows(temperature):
+    # a pretrained embedding is often padded past its tokenizer's last id (to a multiple of 64, say):
+    # those rows are untrained, and an id drawn from them has no text to decode to
+    model = build(tiny_args())
+    n_ids = model.args.vocab_size - 5
+    favour_padding = torch.zeros(model.args.vocab_size)
+    favour_padding[n_ids:] = 1e4
+    model.output.register_forward_hook(lambda module, args, out: out + favour_padding)
+    prompt = tokens_for(2, 6)
+    gen = torch.Generator().manual_seed(0)
+    assert (model.generate(prompt, 4, temperature=temperature, generator=gen)[:, 6:] >= n_ids).all()
+    out = model.generate(prompt, 8, temperature=temperature, generator=gen, n_ids=n_ids)
+    assert out.shape == (2, 14) and (out[:, 6:] < n_ids).all()
