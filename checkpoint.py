@@ -364,6 +364,20 @@ def atomic_save(obj, path):
 SCHEDULE = ("learning_rate", "min_lr", "warmup_iters")  # and the steps of the decay: lr_decay_iters, or max_iters
 
 
+def scales_without_state(ckpt, path):
+    """The learned scales (range_learning) of the checkpoint `ckpt` read from `path` that its
+    optimizer holds no state for: a single file lists both; a sharded one's metadata names them."""
+    if "optimizer" in ckpt:
+        scales, held = [k for k in ckpt["model"] if k.endswith("learned_scale")], ckpt["optimizer"]["state"]
+    elif d := sharded_dir(path):
+        keys = dcp.FileSystemReader(d).read_metadata().state_dict_metadata
+        scales = [k.removeprefix("model.") for k in keys if k.startswith("model.") and k.endswith("learned_scale")]
+        held = {k.removeprefix("optimizer.state.").rsplit(".", 1)[0] for k in keys if k.startswith("optimizer.state.")}
+    else:
+        return []
+    return [k for k in scales if k not in held]
+
+
 def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     """Refuses (ValueError) to resume the checkpoint `ckpt` from `path` in another script than
     wrote it, with other values of the settings `same` than it was trained with, or on other data
@@ -381,6 +395,10 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     if ckpt.get("data") != data_meta.get("data"):
         raise ValueError(f"the data is not the data {path} was trained on (its files differ); "
                          f"resume with the same data_dir contents or start a new out_dir")
+    if not config.get("convert_only") and (missing := scales_without_state(ckpt, path)):
+        raise ValueError(f"{path} holds no optimizer state for its {len(missing)} learned scales ({missing[0]}, ...): "
+                         f"nanotune before 97aaf67 wrote none before fake quant began. Resuming needs it; start from its "
+                         f"weights and scales instead, init_from={path!r} with another out_dir (the optimizer starts afresh)")
     profiled = sum(config.get(f"profile_{k}", 0) for k in ("wait", "warmup", "active"))
     if config.get("profile") and not config.get("convert_only") and config["max_iters"] - ckpt["iter_num"] < profiled:
         # the profiler counts this process's steps, not the run's

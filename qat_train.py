@@ -565,11 +565,11 @@ for opt in optimizers if not convert_only else ():  # a conversion trains nothin
     init_optimizer_state(opt)
 
 iter_num = 0
-if sharded_from:  # every rank reads its own shards; the optimizer's state only to resume
-    load_sharded_checkpoint(model, optimizers, sharded_from, with_optimizer=init_from == "resume")
+if sharded_from:  # every rank reads its own shards; the optimizer's state only to resume training
+    load_sharded_checkpoint(model, optimizers, sharded_from, with_optimizer=init_from == "resume" and not convert_only)
 if init_from == "resume":
     iter_num = ckpt["iter_num"]
-    if not sharded_from:
+    if not sharded_from and not convert_only:
         set_optimizer_state_dict(model, optimizers, ckpt["optimizer"] if master_process else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if rank < len(ckpt["rng"]):  # a resume on more processes than before keeps fresh states on the new ones

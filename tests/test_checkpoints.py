@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from checkpoint import (  # noqa: E402
     check_resume, checkpoint_digest, export_hf, export_meta, ffn_settings, load_adapter, load_checkpoint, remove_earlier_outputs, save_adapter,
-    leave_mark, mark_wait, sees_mark, set_aside_checkpoint, source_stop_ids, stop_ids,
+    leave_mark, mark_wait, scales_without_state, sees_mark, set_aside_checkpoint, source_stop_ids, stop_ids,
 )
 from model import PRESETS, ModelArgs, Transformer, merge_lora  # noqa: E402
 
@@ -496,3 +496,22 @@ def test_a_mark_is_seen_where_it_was_left(tmp_path, monkeypatch):
     # an error for every rank to print, not an exception on rank 0 alone
     assert leave_mark(str(tmp_path / "absent")) == (None, f"cannot write in {tmp_path / 'absent'} (No such file or "
                                                           f"directory); give this run a directory it can write")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in this one process
+def test_scales_without_state_are_read_from_a_sharded_checkpoints_metadata(tmp_path):
+    # a single file lists the optimizer's state; a sharded checkpoint's .metadata names every tensor
+    import torch.distributed.checkpoint as dcp
+    t, step = torch.ones(2), torch.zeros(())
+    model = {"w": t, "a.learned_scale": t, "b.learned_scale": t}
+    state = {"w": {"step": step, "exp_avg": t}, "b.learned_scale": {"step": step, "exp_avg": t}}
+    assert scales_without_state({"model": model, "optimizer": {"state": state}}, "ckpt.pt") == ["a.learned_scale"]
+    d = tmp_path / "ckpt"
+    dcp.save({"model": model, "optimizer": {"state": state}}, checkpoint_id=d)
+    torch.save({"iter_num": 1}, d / "state.pt")
+    assert scales_without_state({"iter_num": 1}, str(d)) == ["a.learned_scale"]
+    assert scales_without_state({"iter_num": 1}, str(tmp_path)) == ["a.learned_scale"]  # out_dir: its ckpt/
+    state["a.learned_scale"] = {"step": step, "exp_avg": t}
+    dcp.save({"model": model, "optimizer": {"state": state}}, checkpoint_id=tmp_path / "full")
+    torch.save({"iter_num": 1}, tmp_path / "full" / "state.pt")
+    assert scales_without_state({"iter_num": 1}, str(tmp_path / "full")) == []
