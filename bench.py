@@ -326,6 +326,10 @@ def quality(opt):
     teacher_loss = base["fp_val_loss"]
     ft = {**common, "init_from": base_ckpt, "max_iters": opt.ft_iters, "learning_rate": opt.ft_lr,
           "min_lr": opt.ft_lr / 10, "warmup_iters": max(1, opt.ft_iters // 10)}
+    ft_set, ft_name = settings(opt.ft_set)  # every finetune's, the plain one's too: named apart from the default's
+    if bench_set := sorted(k for k in ft_set if k in ("init_from", "seed", "quantizer", "teacher_init", "convert_only")):
+        sys.exit(f"bench: --ft_set {', '.join(bench_set)}=... is not read; bench sets it for each run")
+    ft.update(ft_set)
     quant_set, quant_name = settings(opt.quant_set)
     learned = ["range_learning=True"] * bool(opt.range_learning)  # named, so that its runs never land on the others
     qat_set, qat_name = settings(learned + opt.qat_set)
@@ -340,21 +344,21 @@ def quality(opt):
     kd_runs = []  # per seed, the student's val loss trained with CE alone and with KD
     for seed in range(opt.seeds):
         print(f"seed {seed}")
-        plain_dir = os.path.join(out, f"s{seed}_plain")
+        plain_dir = os.path.join(out, f"s{seed}_plain{ft_name}")
         plain = summary(run_once("qat_train.py", {**ft, "quantizer": "none", "seed": seed}, plain_dir, opt.nproc, quiet=False))
         teacher = {"base": base_ckpt, "plain": os.path.join(plain_dir, "ckpt.pt")}[opt.qad_teacher]
         for s in schemes:
             q = {"quantizer": s, "group_size": opt.group_size, **quant_set}
             ptq = summary(run_once("qat_train.py", {**convert, "init_from": os.path.join(plain_dir, "ckpt.pt"), **q, "convert_only": True},
-                                   os.path.join(out, f"s{seed}_ptq_{s}{quant_name}"), opt.nproc))
+                                   os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}"), opt.nproc))
             r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"]}
             if "qat" in methods:
-                qat_dir = os.path.join(out, f"s{seed}_qat_{s}{quant_name}{qat_name}")
+                qat_dir = os.path.join(out, f"s{seed}_qat_{s}{ft_name}{quant_name}{qat_name}")
                 qat = quantized(run_once("qat_train.py", {**ft, **q, "seed": seed, **qat_set}, qat_dir, opt.nproc, quiet=False),
                                 "qat", qat_dir)
                 r.update(qat=qat["quant_val_loss"], fp_qat=qat["fp_val_loss"])
             if "qad" in methods:
-                qad_dir = os.path.join(out, f"s{seed}_qad_{s}{quant_name}{qad_name}")
+                qad_dir = os.path.join(out, f"s{seed}_qad_{s}{ft_name}{quant_name}{qad_name}")
                 qad = quantized(run_once("kd_train.py", {**ft, **q, "seed": seed, "kd_ratio": opt.qad_kd_ratio, "kd_temperature":
                                                          opt.qad_kd_temperature, **qad_set, "teacher_init": teacher},
                                          qad_dir, opt.nproc, quiet=False), "qad", qad_dir)
@@ -414,12 +418,12 @@ def quality(opt):
     report = (f"Quality: base {origin} on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
               f"(lr {opt.ft_lr}, range_learning {bool(opt.range_learning)}), QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
               f"at T={qad_set.get('kd_temperature', opt.qad_kd_temperature)}, teacher {opt.qad_teacher}; "
-              f"settings: quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
+              f"settings: every finetune {ft_set or '-'}, quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
               f"student {opt.student_preset} {opt.kd_iters} steps, "
               f"kd_ratio {opt.kd_ratio}, {opt.kd_divergence} at T={opt.kd_temperature}; batch {opt.batch_size} x {opt.block_size}, {opt.dtype}, {opt.seeds} seed(s); "
               f"whole-val-split perplexities, mean ± std over seeds; {time.perf_counter() - t_start:.0f} s\n\n"
               + "\n".join(table) + "\n\n" + "\n".join(notes) + "\n")
-    write(opt, "quality" + quant_name + qat_name + qad_name, report, results)
+    write(opt, "quality" + ft_name + quant_name + qat_name + qad_name, report, results)
 
 
 # -----------------------------------------------------------------------------
@@ -743,6 +747,9 @@ if __name__ == "__main__":
     p.add_argument("--qad_teacher", choices=("base", "plain"), default="base",
                    help="QAD's teacher: the base model, or the same seed's plain full-precision finetune")
     p.add_argument("--methods", default="qat,qad", help="quality: the quantization-aware finetunes to run (qat, qad, or none)")
+    p.add_argument("--ft_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting of every finetune, the plain one included (which --qat_set / --qad_set then "
+                        "override), e.g. beta2=0.999; its runs are named apart from the default's; repeatable")
     p.add_argument("--quant_set", action="append", default=[], metavar="KEY=VALUE",
                    help="a quantization setting for PTQ, QAT and QAD alike, e.g. \"quant_skip=('output',)\"; repeatable")
     p.add_argument("--qat_set", action="append", default=[], metavar="KEY=VALUE",

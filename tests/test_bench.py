@@ -77,10 +77,19 @@ def test_quality_report(tmp_path):
     bench("quality", "--data_dir", data, "--out_dir", str(out), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
           "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "qat", "--range_learning", "1")
     assert read_log(q / "s0_qat_8da2w_range_learning=True")[-1]["method"] == "qat"
+    # a setting of every finetune reaches the plain one too, and its runs are named apart
+    bench("quality", "--data_dir", data, "--out_dir", str(out), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
+          "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "qat", "--ft_set", "beta2=0.999")
+    import torch
+    for run_dir in ("s0_plain_beta2=0.999", "s0_qat_8da2w_beta2=0.999"):
+        assert torch.load(q / run_dir / "ckpt.pt", weights_only=True)["config"]["beta2"] == 0.999
+    assert (q / "s0_ptq_8da2w_beta2=0.999" / "log.jsonl").exists()
+    assert torch.load(q / "s0_plain" / "ckpt.pt", weights_only=True)["config"]["beta2"] == 0.95
     # a setting that leaves fake quant off at the end makes PTQ of the run, which is no QAT figure;
     # a teacher named in --qad_set would not be the one bench gives
     for setting, says in (("--qat_set=fake_quant_after_n_steps=5", "converted as 'ptq', not 'qat'"),
-                          ("--qad_set=teacher_init=x", "--qad_set teacher_init=... is not read")):
+                          ("--qad_set=teacher_init=x", "--qad_set teacher_init=... is not read"),
+                          ("--ft_set=seed=3", "--ft_set seed=... is not read")):
         r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "quality", "--data_dir", data, "--out_dir", str(out),
                             *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"), "--ft_iters", "2", "--kd_iters", "0",
                             "--seeds", "1", "--schemes", "8da2w", setting], cwd=ROOT, env=script_env(),
