@@ -309,6 +309,21 @@ def quality(opt):
                   dtype=opt.dtype, mixed_precision=opt.dtype == "bfloat16", eval_interval=10 ** 9, eval_iters=1,
                   log_interval=50, ckpt_interval=10 ** 9, gradient_accumulation_steps=opt.nproc)
     convert = {k: v for k, v in common.items() if k not in TRAINING_ONLY}  # convert_only refuses training settings
+    # the settings, checked before a base is trained: what bench sets for every run is its own option
+    ft_set, ft_name = settings(opt.ft_set)  # every finetune's, the plain one's too: named apart from the default's
+    if own := sorted(k for k in ft_set if k in {*common, "init_from", "out_dir", "seed", "max_iters", "quantizer", "group_size",
+                                                  "teacher_init", "convert_only", "sharded_checkpoint"}):
+        sys.exit(f"bench: --ft_set {', '.join(own)}=... is not read; bench sets it for each run (its own options: "
+                 f"--ft_iters, --batch_size, --block_size, --dtype, --group_size, --quant_set ...)")
+    quant_set, quant_name = settings(opt.quant_set)
+    learned = ["range_learning=True"] * bool(opt.range_learning)  # named, so that its runs never land on the others
+    qat_set, qat_name = settings(learned + opt.qat_set)
+    qad_set, qad_name = settings(learned + opt.qad_set + [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base"))
+    if any(kv.startswith("teacher_init=") for kv in opt.qad_set):  # bench sets it, from --qad_teacher
+        sys.exit("bench: --qad_set teacher_init=... is not read; choose QAD's teacher with --qad_teacher base or plain")
+    methods = opt.methods.split(",")
+    if unknown := set(methods) - {"qat", "qad", "none"}:
+        sys.exit(f"bench: --methods {opt.methods!r} names {sorted(unknown)}; use qat, qad, both (qat,qad) or none")
     t_start = time.perf_counter()
     base_dir = os.path.join(out, "base")
     base_args = {**common, "preset": opt.preset, **shape_args(opt), "quantizer": "none", "max_iters": opt.base_iters,
@@ -326,19 +341,7 @@ def quality(opt):
     teacher_loss = base["fp_val_loss"]
     ft = {**common, "init_from": base_ckpt, "max_iters": opt.ft_iters, "learning_rate": opt.ft_lr,
           "min_lr": opt.ft_lr / 10, "warmup_iters": max(1, opt.ft_iters // 10)}
-    ft_set, ft_name = settings(opt.ft_set)  # every finetune's, the plain one's too: named apart from the default's
-    if bench_set := sorted(k for k in ft_set if k in ("init_from", "seed", "quantizer", "teacher_init", "convert_only")):
-        sys.exit(f"bench: --ft_set {', '.join(bench_set)}=... is not read; bench sets it for each run")
     ft.update(ft_set)
-    quant_set, quant_name = settings(opt.quant_set)
-    learned = ["range_learning=True"] * bool(opt.range_learning)  # named, so that its runs never land on the others
-    qat_set, qat_name = settings(learned + opt.qat_set)
-    qad_set, qad_name = settings(learned + opt.qad_set + [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base"))
-    if any(kv.startswith("teacher_init=") for kv in opt.qad_set):  # bench sets it, from --qad_teacher
-        sys.exit("bench: --qad_set teacher_init=... is not read; choose QAD's teacher with --qad_teacher base or plain")
-    methods = opt.methods.split(",")
-    if unknown := set(methods) - {"qat", "qad", "none"}:
-        sys.exit(f"bench: --methods {opt.methods!r} names {sorted(unknown)}; use qat, qad, both (qat,qad) or none")
     schemes = opt.schemes.split(",")
     runs = {s: [] for s in schemes}  # per scheme, one dict of perplexities per seed
     kd_runs = []  # per seed, the student's val loss trained with CE alone and with KD
@@ -406,7 +409,7 @@ def quality(opt):
         # from (lr too high for this base) credits every method with undoing that damage
         if col["fp"] and (fp := statistics.mean(col["fp"])) > (base_ppl := math.exp(teacher_loss)):
             notes.append(f"- {s}: the plain finetunes end worse than the base (ppl {fp:.3f} against "
-                         f"{base_ppl:.3f}): lr {opt.ft_lr} undoes some of the base's training, and the "
+                         f"{base_ppl:.3f}): lr {ft['learning_rate']} undoes some of the base's training, and the "
                          f"recoveries count winning that back; measure again with a lower --ft_lr")
     if kd_runs:
         ce, kd = [r["ce"] for r in kd_runs], [r["kd"] for r in kd_runs]
@@ -416,7 +419,7 @@ def quality(opt):
                   f"| {opt.student_preset} | {ms(ce)} | {ms(kd)} | {teacher_loss:.3f} | {pm(closed)} |"]
     origin = opt.base_ckpt or f"{opt.preset} trained {opt.base_iters} steps"
     report = (f"Quality: base {origin} on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
-              f"(lr {opt.ft_lr}, range_learning {bool(opt.range_learning)}), QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
+              f"(lr {ft['learning_rate']} to {ft['min_lr']}, range_learning {bool(opt.range_learning)}), QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
               f"at T={qad_set.get('kd_temperature', opt.qad_kd_temperature)}, teacher {opt.qad_teacher}; "
               f"settings: every finetune {ft_set or '-'}, quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
               f"student {opt.student_preset} {opt.kd_iters} steps, "

@@ -396,9 +396,12 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
         raise ValueError(f"the data is not the data {path} was trained on (its files differ); "
                          f"resume with the same data_dir contents or start a new out_dir")
     if not config.get("convert_only") and (missing := scales_without_state(ckpt, path)):
+        d = sharded_dir(path)
+        start = (f"convert it to one file with {TO_SINGLE_FILE.format(d)} and give init_from={d + '.pt'!r}" if d else
+                 f"give init_from={path!r}")
         raise ValueError(f"{path} holds no optimizer state for its {len(missing)} learned scales ({missing[0]}, ...): "
                          f"nanotune before 97aaf67 wrote none before fake quant began. Resuming needs it; start from its "
-                         f"weights and scales instead, init_from={path!r} with another out_dir (the optimizer starts afresh)")
+                         f"weights instead: {start}, with another out_dir (the optimizer and the scales start afresh)")
     profiled = sum(config.get(f"profile_{k}", 0) for k in ("wait", "warmup", "active"))
     if config.get("profile") and not config.get("convert_only") and config["max_iters"] - ckpt["iter_num"] < profiled:
         # the profiler counts this process's steps, not the run's

@@ -89,7 +89,8 @@ def test_quality_report(tmp_path):
     # a teacher named in --qad_set would not be the one bench gives
     for setting, says in (("--qat_set=fake_quant_after_n_steps=5", "converted as 'ptq', not 'qat'"),
                           ("--qad_set=teacher_init=x", "--qad_set teacher_init=... is not read"),
-                          ("--ft_set=seed=3", "--ft_set seed=... is not read")):
+                          ("--ft_set=seed=3", "--ft_set seed=... is not read"),
+                          ("--ft_set=dtype=bfloat16", "--ft_set dtype=... is not read")):
         r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "quality", "--data_dir", data, "--out_dir", str(out),
                             *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"), "--ft_iters", "2", "--kd_iters", "0",
                             "--seeds", "1", "--schemes", "8da2w", setting], cwd=ROOT, env=script_env(),
