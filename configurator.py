@@ -176,7 +176,7 @@ def configure(globals_dict, argv=None, print_config=True, positive=()):
 # the settings of the training loop alone, which a run that trains nothing (qat_train's convert_only,
 # kd_train's topk_write) refuses on its command line
 TRAINING_ONLY = ("max_iters", "learning_rate", "min_lr", "lr_decay_iters", "warmup_iters", "weight_decay", "beta1", "beta2",
-                 "grad_clip", "optimizer_in_bwd", "range_lr_ratio", "gradient_accumulation_steps", "accumulate_unsharded",
+                 "grad_clip", "optimizer_in_bwd", "range_lr_ratio", "norm_lr_ratio", "gradient_accumulation_steps", "accumulate_unsharded",
                  "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "sharded_checkpoint", "fake_quant_after_n_steps",
                  "activation_checkpointing", "activation_offloading", "profile", "profile_wait", "profile_warmup",
                  "profile_active", "peak_flops_per_device", "seed")

@@ -103,6 +103,7 @@ min_lr = 3e-5  # the cosine decays to this at lr_decay_iters
 lr_decay_iters = 0  # 0: max_iters; set it to stop a run early on the schedule of a longer one
 warmup_iters = 30  # linear warmup steps
 weight_decay = 0.1  # applied to matrices only
+norm_lr_ratio = 1.0  # the RMSNorm gains' learning rate, as a multiple of the weights' (README, Quality)
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # clip the global gradient norm to this; float('inf') logs it without clipping
@@ -127,7 +128,7 @@ from configurator import (TRAINING_ONLY, ConfigError, check_training, code_diges
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
                                                     "log_interval", "ckpt_interval", "group_size", "grad_clip",
-                                                    "replicate_degree"))
+                                                    "replicate_degree", "norm_lr_ratio"))
 
 # derived values and checks: every mistake a user can make fails here, before any real work
 torchrun = "RANK" in os.environ  # launched by torchrun: the process group comes from its variables
@@ -545,7 +546,7 @@ def init_optimizer_state(opt):
 params = [p for p in model.parameters() if p.requires_grad]
 scales = {p for n, p in model.named_parameters() if n.endswith("learned_scale")}
 groups = [{"params": [p for p in params if p.ndim >= 2 and p not in scales], "weight_decay": weight_decay},
-          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr_ratio": norm_lr_ratio},
           {"params": [p for p in params if p in scales], "weight_decay": 0.0, "lr_ratio": range_lr_ratio}]
 opt_kw = dict(lr=learning_rate, betas=(beta1, beta2), fused=True)  # one kernel per step, on GPUs and CPUs alike
 grad_finite = torch.ones((), dtype=torch.bool, device=device)  # optimizer_in_bwd: this step's gradients so far

@@ -471,6 +471,8 @@ def misc_runs(setup, tmp_path_factory):
         "kd_ratio": dict(common, kd_ratio=1.5),
         "kd_ratio_negative": dict(common, kd_ratio=-0.1),
         "lora_with_quantizer": dict(common, lora_rank=4, quantizer="8da4w"),
+        "norm_lr_ratio_with_lora": dict(common, lora_rank=4, norm_lr_ratio=3.0),
+        "norm_lr_ratio_zero": dict(common, norm_lr_ratio=0.0),
         "adapter_only_without_lora": dict(common, save_adapter_only=True),
         "student_vocab": dict(common, init_from=big_vocab),
         "teacher_vocab": dict(common, teacher_init=small_vocab),
@@ -514,7 +516,7 @@ def test_qad_learned_scales_resume_and_convert(setup, tmp_path):
                         ("kd_train.py", dict(common, out_dir=resumed, max_iters=2, lr_decay_iters=4)),
                         ("kd_train.py", dict(common, out_dir=resumed, init_from="resume")),
                         ("kd_train.py", dict(common, out_dir=ratio, max_iters=1, warmup_iters=0, weight_decay=0.0,
-                                             range_lr_ratio=0.01)),
+                                             range_lr_ratio=0.01, norm_lr_ratio=3.0)),
                         # a finetune from the QAD checkpoint starts from the scales it learned (here at rate 0: kept)
                         ("kd_train.py", dict(common, out_dir=str(tmp_path / "again"), init_from=os.path.join(straight, "ckpt.pt"),
                                              max_iters=1, learning_rate=0.0, min_lr=0.0))], tmp_path)
@@ -536,6 +538,10 @@ def test_qad_learned_scales_resume_and_convert(setup, tmp_path):
     start = initial_scales(fake, weights(setup["teacher"]))
     moved = max((end[k] - v).abs().max().item() for k, v in start.items())
     assert moved == pytest.approx(0.01 * lr, rel=2e-2)  # float32 rounding of the scales
+    # norm_lr_ratio: the RMSNorm gains move by three times the learning rate, the weights by it
+    teacher = weights(setup["teacher"])
+    assert max((end[k] - teacher[k]).abs().max().item() for k in teacher if k.endswith("norm.weight")) == pytest.approx(3 * lr, rel=1e-3)
+    assert max((end[k] - teacher[k]).abs().max().item() for k in teacher if k.endswith("wq.weight")) == pytest.approx(lr, rel=1e-3)
 
 
 def test_qad_delayed_learned_scales_and_resume_settings(setup, tmp_path):
@@ -570,6 +576,8 @@ ERRORS = {
     "kd_ratio": "kd_ratio=1.5 and jsd_beta=0.5 are weights: each must lie in [0, 1]",
     "kd_ratio_negative": "kd_ratio=-0.1 must be a number >= 0",
     "lora_with_quantizer": "lora_rank",
+    "norm_lr_ratio_with_lora": "norm_lr_ratio sets the RMSNorm gains' learning rate, and lora_rank > 0 trains the adapters alone",
+    "norm_lr_ratio_zero": "norm_lr_ratio=0.0 must be",
     "adapter_only_without_lora": "save_adapter_only=True needs LoRA",
     "student_vocab": "the student has 2000 vocabulary rows",
     "teacher_vocab": "the teacher has only 200",

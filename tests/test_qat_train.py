@@ -592,17 +592,17 @@ def test_resume_changes_the_schedule_only_when_told(data, tmp_path):
 
 
 def test_resume_applies_this_runs_optimizer_settings(data, tmp_path):
-    # the optimizer state a resume loads carries the first run's weight decay, betas and scale
-    # learning rate; the resumed run trains with its own, as its printed config says
+    # the optimizer state a resume loads carries the first run's weight decay, betas and the scales'
+    # and norms' learning-rate ratios; the resumed run trains with its own, as its printed config says
     out = tmp_path / "res"
     settings = {**BASE, **QAT, "quantizer": "8da2w", "fake_quant_after_n_steps": 0, "range_learning": True,
                 "data_dir": data, "out_dir": out}
-    run(SCRIPT, **{**settings, "max_iters": 2, "weight_decay": 0.1, "beta2": 0.95, "range_lr_ratio": 0.01})
+    run(SCRIPT, **{**settings, "max_iters": 2, "weight_decay": 0.1, "beta2": 0.95, "range_lr_ratio": 0.01, "norm_lr_ratio": 3.0})
     run(SCRIPT, **{**settings, "max_iters": 3, "init_from": "resume", "weight_decay": 0.0, "beta2": 0.99, "range_lr_ratio": 1.0})
     groups = torch.load(out / "ckpt.pt", weights_only=True)["optimizer"]["param_groups"]
     assert len(groups) == 3
     assert all(g["weight_decay"] == 0.0 and tuple(g["betas"]) == (0.9, 0.99) for g in groups)
-    assert [g.get("lr_ratio") for g in groups] == [None, None, 1.0]
+    assert [g.get("lr_ratio") for g in groups] == [None, 1.0, 1.0]
 
 
 def test_compiled_steps_equal_eager(train):
@@ -617,13 +617,15 @@ def test_compiled_steps_equal_eager(train):
     assert abs(compiled[first] - eager[first]) < 0.25 * abs(eager[first] - plain[first])
 
 
-def test_range_lr_ratio_scales_the_scales_first_step(train, data, tmp_path):
+def test_range_and_norm_lr_ratios_scale_their_parameters_first_step(train, data, tmp_path):
     # AdamW's first step moves each parameter by the learning rate (sign of its gradient): the scales'
-    # largest move is the weights' learning rate times range_lr_ratio, while the weights move by the full rate
+    # largest move is the weights' learning rate times range_lr_ratio, the RMSNorm gains' that rate
+    # times norm_lr_ratio, while the weights move by the full rate
     base = train()
     start = torch.load(base / "ckpt.pt", weights_only=True)["model"]
     out = tmp_path / "ratio"
-    run(SCRIPT, **{**FINETUNE, "quantizer": "8da2w", "range_learning": True, "range_lr_ratio": 0.01, "weight_decay": 0.0,
+    run(SCRIPT, **{**FINETUNE, "quantizer": "8da2w", "range_learning": True, "range_lr_ratio": 0.01, "norm_lr_ratio": 3.0,
+                   "weight_decay": 0.0,
                    "data_dir": data, "out_dir": out, "init_from": str(base / "ckpt.pt"), "max_iters": 1, "warmup_iters": 0})
     lr = records(read_log(out))[1]["lr"]
     end = torch.load(out / "ckpt.pt", weights_only=True)["model"]
@@ -633,6 +635,7 @@ def test_range_lr_ratio_scales_the_scales_first_step(train, data, tmp_path):
     moved = max((end[k] - v).abs().max().item() for k, v in initial_scales(fake, start).items())
     assert moved == pytest.approx(0.01 * lr, rel=2e-2)  # float32 rounding of the scales
     assert max((end[k] - start[k]).abs().max().item() for k in start if k.endswith("wq.weight")) == pytest.approx(lr, rel=1e-3)
+    assert max((end[k] - start[k]).abs().max().item() for k in start if k.endswith("norm.weight")) == pytest.approx(3 * lr, rel=1e-3)
 
 
 def test_ptq_of_plain_checkpoint(train, data, tmp_path):
