@@ -409,7 +409,7 @@ def quality(opt):
         # from (lr too high for this base) credits every method with undoing that damage
         if col["fp"] and (fp := statistics.mean(col["fp"])) > (base_ppl := math.exp(teacher_loss)):
             notes.append(f"- {s}: the plain finetunes end worse than the base (ppl {fp:.3f} against "
-                         f"{base_ppl:.3f}): lr {ft['learning_rate']} undoes some of the base's training, and the "
+                         f"{base_ppl:.3f}): lr {float(ft['learning_rate']):g} undoes some of the base's training, and the "
                          f"recoveries count winning that back; measure again with a lower --ft_lr")
     if kd_runs:
         ce, kd = [r["ce"] for r in kd_runs], [r["kd"] for r in kd_runs]
@@ -419,7 +419,7 @@ def quality(opt):
                   f"| {opt.student_preset} | {ms(ce)} | {ms(kd)} | {teacher_loss:.3f} | {pm(closed)} |"]
     origin = opt.base_ckpt or f"{opt.preset} trained {opt.base_iters} steps"
     report = (f"Quality: base {origin} on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
-              f"(lr {ft['learning_rate']} to {ft['min_lr']}, range_learning {bool(opt.range_learning)}), QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
+              f"(lr {float(ft['learning_rate']):g} to {float(ft['min_lr']):g}, range_learning {bool(opt.range_learning)}), QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
               f"at T={qad_set.get('kd_temperature', opt.qad_kd_temperature)}, teacher {opt.qad_teacher}; "
               f"settings: every finetune {ft_set or '-'}, quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
               f"student {opt.student_preset} {opt.kd_iters} steps, "
