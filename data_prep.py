@@ -119,6 +119,8 @@ class DataPrepError(ValueError):
 # Meta's Llama 3 tokenizer.py: its pre-tokenizer regex, and 256 special tokens numbered after the
 # 128,000 base ones (every Llama 3, 3.1, 3.2 and 3.3 tokenizer.model)
 LLAMA3_PIECES = 128_000
+# Meta's tokenizer.model of Llama 3, 3.1, 3.2 and 3.3, one file (2,183,982 bytes)
+LLAMA3_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
@@ -279,7 +281,7 @@ def load_tokenizer(path):
     if data.lstrip()[:1] == b"{":
         return _hf_tokenizer(path, data)
     if (ranks := _tiktoken_ranks(data)) is not None:
-        return _tiktoken_tokenizer(path, ranks)
+        return _tiktoken_tokenizer(path, ranks, hashlib.sha256(data).hexdigest())
     sp = spm.SentencePieceProcessor()
     try:
         sp.LoadFromSerializedProto(data)
@@ -402,7 +404,10 @@ def _tiktoken_ranks(data):
     return ranks or None
 
 
-def _tiktoken_tokenizer(path, ranks):
+_warned_tiktoken = set()  # paths already warned about: a script loads its tokenizer more than once
+
+
+def _tiktoken_tokenizer(path, ranks, sha256):
     import tiktoken
     n = len(ranks)
     if n != LLAMA3_PIECES:  # Llama 4's and OpenAI's files are tiktoken files too, with other specials and splits
@@ -412,6 +417,11 @@ def _tiktoken_tokenizer(path, ranks):
     if sorted(ranks.values()) != list(range(n)):
         raise DataPrepError(f"tokenizer {path} is a tiktoken file whose ranks are not 0..{n - 1}, so Llama 3's "
                             f"special tokens (numbered from {n}) would collide with them")
+    if sha256 != LLAMA3_SHA256 and path not in _warned_tiktoken:  # another file of Llama 3's size: its specials and split may differ
+        _warned_tiktoken.add(path)
+        print(f"warning: tokenizer {path} is a tiktoken file of {n:,} tokens but not Meta's Llama 3 tokenizer.model "
+              f"(sha256 {sha256[:12]}…, not {LLAMA3_SHA256[:12]}…); it is read with Llama 3's special tokens and split "
+              f"pattern", file=sys.stderr)
     specials = {t: n + i for i, t in enumerate(LLAMA3_SPECIALS)}
     enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=LLAMA3_SPLIT, mergeable_ranks=ranks,
                             special_tokens=specials)
@@ -729,12 +739,15 @@ def _encode_chunk(chunk):
         for prompt, text, is_val, _, _ in chunk:
             # the mask boundary falls exactly between them. A tokenizer that adds a dummy prefix (Llama 2's)
             # would start a response encoded alone with a space piece the whole sample never has (the model
-            # would learn to answer with a double space): its response is the whole sample's tail, where
-            # the prompt's encoding begins it (else, the boundary merged, encoded apart)
+            # would learn to answer with a double space): it takes the whole sample's encoding, the prompt
+            # being as much of it as the prompt's own encoding begins; a piece that merged across the
+            # boundary (a prompt ending in a space, "Answer: ") then belongs to the response
             p = tok.encode(prompt) if prompt else []
             r = tok.encode(text) if text else []
-            if p and r and tok.prefixes and (whole := tok.encode(prompt + text))[:len(p)] == p:
-                r = whole[len(p):]
+            if p and r and tok.prefixes:
+                whole = tok.encode(prompt + text)
+                k = next((i for i, (a, b) in enumerate(zip(p, whole)) if a != b), min(len(p), len(whole)))
+                p, r = whole[:k], whole[k:]
             ids = bos + p + r + [tok.eos_id]
             out.append((is_val, np.array(ids, dtype), len(bos) + len(p)))
         return out, specials

@@ -358,6 +358,8 @@ def test_a_response_takes_no_dummy_prefix_space(tmp_path):
                                    remove_extra_whitespaces=False, minloglevel=2)
     (tmp_path / "llama2ish.model").write_bytes(model.getvalue())
     records = [{"prompt": f"Q: what is {i} plus one\nA:", "response": f" {i + 1} is the answer"} for i in range(40)]
+    # prompts that end in a space, whose last piece merges with the response's first
+    records += [{"prompt": f"Q: what is {i} plus one\nA: ", "response": f"the answer is {i + 1}"} for i in range(40)]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     meta = prepare([tmp_path / "sft.jsonl"], tmp_path / "out", tokenizer=tmp_path / "llama2ish.model", num_proc=1,
                    val_fraction=0.2, block_size=64)
@@ -371,7 +373,9 @@ def test_a_response_takes_no_dummy_prefix_space(tmp_path):
         n_prompt = int((m[:end] == 0).sum())
         joint = sp.encode(sp.decode(t[1:end]))
         assert t[1:end] == joint and sp.id_to_piece(t[n_prompt]) != "\u2581"  # as the whole text encodes, no lone space
-    assert meta["train_docs"] + meta["val_docs"] == 40
+        # and the response is all trained on: a piece merged across the boundary belongs to it
+        assert "  " not in sp.decode(t[1:end]) and sp.decode(t[n_prompt:end]).lstrip()[:1] in "t123456789"
+    assert meta["train_docs"] + meta["val_docs"] == 80
 
 
 def test_a_linked_folder_is_read_and_a_loop_ends(tmp_path):

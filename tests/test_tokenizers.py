@@ -119,9 +119,13 @@ def test_round_trip_and_special_ids(kind, tmp_path):
                                           else ["tokenizer.model"])
 
 
-def test_llama3_specials_and_literal_special_text(tmp_path):
+def test_llama3_specials_and_literal_special_text(tmp_path, capsys):
     path, n = write_tiktoken(tmp_path / "tokenizer.model")
     tok = load_tokenizer(path)
+    # a file of Llama 3's size that is not Meta's (this test's own) is read as Llama 3's, with a warning, once
+    load_tokenizer(path)
+    assert capsys.readouterr().err.count(f"warning: tokenizer {path} is a tiktoken file of 128,000 tokens but not "
+                                         f"Meta's Llama 3 tokenizer.model") == 1
     assert tok.vocab_size == n + 256
     assert tok.encode("<|eot_id|>") != [n + 9] and tok.decode(tok.encode("<|eot_id|>")) == "<|eot_id|>"
     assert tok.decode([n + 9]) == "<|eot_id|>" and tok.decode([n + 255]) == "<|reserved_special_token_246|>"
