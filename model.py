@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
+import torch._inductor.config
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -38,6 +39,10 @@ from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH, _DTYPE_TO
 from torchao.quantization.utils import get_group_qparams_symmetric
 
 IGNORE_INDEX = -100  # targets with this value take no part in the loss
+# compiled code rounds where eager rounds: inductor would keep a bfloat16 fake quant's scale in float32
+# inside its fused kernel, so that a compiled bf16 run trained on other integer codes (7% of the int8
+# activations', a level apart) than eager's and the conversion's
+torch._inductor.config.emulate_precision_casts = True
 LOGITS_PER_CHUNK = 2 ** 25  # fp32 logits materialized at once by the chunked losses: 128 MiB
 
 
@@ -458,8 +463,10 @@ def flops_per_token(args: ModelArgs, seq_len: int, frozen=False):
     return (4 if frozen else 6) * n + 12 * L * q * seq_len
 
 
-# dense bf16 FLOP/s per device (float32 runs on TF32 tensor cores at half of it)
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+# dense bf16 FLOP/s per device (float32 runs on TF32 tensor cores at half of it), by a part of the
+# device's name; the first that matches counts, so the PCIe and NVL cards come before their SXM names
+GPU_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H200": 989e12, "H100": 989e12,
+                  "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 
 def peak_flops(device, dtype):
@@ -473,7 +480,7 @@ def peak_flops(device, dtype):
         for key, flops in GPU_PEAK_FLOPS.items():
             if key in name:
                 return (flops if dtype == torch.bfloat16 else flops / 2), f"table ({name})"
-        return float("nan"), f"unknown GPU {name}; set peak_flops"
+        return float("nan"), f"unknown GPU {name}; set peak_flops_per_device"
     # a generator of its own: drawing from the global one would shift the RNG state resume restores
     a = torch.randn(1024, 1024, dtype=dtype, generator=torch.Generator().manual_seed(0))
     # ten tries, or as many as fit in about two seconds, three at least: a CPU without native
@@ -497,9 +504,12 @@ def peak_flops(device, dtype):
 def check_quantizable(args, group_size, quant_skip):
     """quant_skip's module paths normalized ('layers.0.' means 'layers.0'), once group_size is
     known to divide the layer widths and every path to name a module of the model. Raises ValueError."""
-    if bad := {k: w for k, w in (("dim", args.dim), ("hidden", args.hidden_dim)) if w % group_size}:
+    # the linears' input widths: dim, the MLP's hidden width, and wo's (n_heads * head_dim, not dim
+    # where head_dim is given)
+    widths = (("dim", args.dim), ("hidden", args.hidden_dim), ("heads", args.n_heads * args.head_dim))
+    if bad := {k: w for k, w in widths if w % group_size}:
         raise ValueError(f"group_size={group_size} does not divide the layer widths {bad}; pick a divisor of "
-                         f"{math.gcd(args.dim, args.hidden_dim)}")
+                         f"{math.gcd(*(w for _, w in widths))}")
     with torch.device("meta"):
         paths = {name for name, _ in Transformer(args).named_modules()}
     quant_skip = tuple(s.rstrip(".") for s in quant_skip)
@@ -602,7 +612,10 @@ class LearnedScaleFakeQuantizer(nn.Module):
 
     @property
     def scale(self):
-        return self.learned_scale.float().abs().clamp(min=1e-9)
+        # floored, as the conversion reads it, but with the gradient passed through the floor: a group
+        # of zeros starts at torchao's eps (1e-38), and a floor that stopped the gradient would pin it there
+        a = self.learned_scale.float().abs()
+        return a + (a.clamp(min=1e-9) - a).detach()
 
     @property
     def zero_point(self):  # symmetric: zero

@@ -447,3 +447,48 @@ def test_model_args_validation():
     args = ModelArgs(dim=32, n_heads=4, lora_targets=["wq", "output"])
     assert args.lora_targets == ("wq", "output") and args.n_kv_heads == 4
     assert ModelArgs.from_dict(dict(dim=32, n_heads=4, unknown_key=1)).dim == 32
+
+
+@pytest.mark.parametrize("name, flops", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                         ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12)])
+def test_gpu_peak_by_name(monkeypatch, name, flops):
+    # a PCIe or NVL card is slower than the SXM one whose name its own contains: its MFU would read low
+    from model import peak_flops
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert peak_flops("cuda", torch.bfloat16)[0] == flops and peak_flops("cuda", torch.float32)[0] == flops / 2
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H800")
+    assert peak_flops("cuda", torch.bfloat16)[1] == "unknown GPU NVIDIA H800; set peak_flops_per_device"
+
+
+def test_a_learned_scale_of_zeros_trains():
+    # a group of zero weights (pruned, an unused token's row) gets torchao's eps as its scale, far
+    # under the 1e-9 floor; the floor must pass the gradient, or the group stays pinned at zero
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
+    from torchao.quantization.qat import QATConfig
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 8, bias=False))
+    with torch.no_grad():
+        m[0].weight.normal_(0, 0.02)
+        m[0].weight[0, :32] = 0
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    quantize_(m, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)),
+                           step="prepare"))
+    M.learn_scales(m)
+    m.load_state_dict({**sd, **M.initial_scales(m, sd)})
+    fq = m[0].weight_fake_quantizer
+    assert fq.learned_scale[0, 0].item() < 1e-30 and fq.scale[0, 0].item() == pytest.approx(1e-9)  # the conversion's value
+    x, target = torch.randn(256, 64), torch.randn(256, 8)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0)
+    for _ in range(10):
+        opt.zero_grad()
+        ((m(x) - target) ** 2).mean().backward()
+        opt.step()
+    assert fq.learned_scale[0, 0].abs().item() > 1e-4 and fq(m[0].weight.detach())[0, :32].abs().max().item() > 1e-3
+
+
+def test_group_size_must_divide_every_linears_input():
+    # wo reads n_heads * head_dim, which an explicit head_dim makes other than dim: 4 heads of 12 = 48
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, head_dim=12, vocab_size=64, multiple_of=32, max_seq_len=32)
+    with pytest.raises(ValueError, match=r"group_size=32 does not divide the layer widths \{'heads': 48\}; pick a divisor of 16"):
+        M.check_quantizable(args, 32, ())
+    assert M.check_quantizable(args, 16, ("layers.0.",)) == ("layers.0",)
