@@ -310,17 +310,20 @@ def quality(opt):
                   log_interval=50, ckpt_interval=10 ** 9, gradient_accumulation_steps=opt.nproc)
     convert = {k: v for k, v in common.items() if k not in TRAINING_ONLY}  # convert_only refuses training settings
     # the settings, checked before a base is trained: what bench sets for every run is its own option
+    per_run = {*common, "init_from", "out_dir", "seed", "max_iters", "quantizer", "group_size", "teacher_init",
+               "convert_only", "sharded_checkpoint"}
+    # a method's own settings must leave the grid alone: its recovery is measured against PTQ on the same one
+    for flag, kvs, theirs in (("--ft_set", opt.ft_set, set()), ("--qat_set", opt.qat_set, {"quantize_embedding", "quant_skip"}),
+                              ("--qad_set", opt.qad_set, {"quantize_embedding", "quant_skip"})):
+        if own := sorted(k for k in settings(kvs)[0] if k in per_run | theirs):
+            sys.exit(f"bench: {flag} {', '.join(own)}=... is not read; bench sets it for each run (its own options: "
+                     f"--ft_iters, --batch_size, --block_size, --dtype, --group_size, --seeds, --qad_teacher; the grid's "
+                     f"settings for PTQ, QAT and QAD alike: --quant_set)")
     ft_set, ft_name = settings(opt.ft_set)  # every finetune's, the plain one's too: named apart from the default's
-    if own := sorted(k for k in ft_set if k in {*common, "init_from", "out_dir", "seed", "max_iters", "quantizer", "group_size",
-                                                  "teacher_init", "convert_only", "sharded_checkpoint"}):
-        sys.exit(f"bench: --ft_set {', '.join(own)}=... is not read; bench sets it for each run (its own options: "
-                 f"--ft_iters, --batch_size, --block_size, --dtype, --group_size, --quant_set ...)")
     quant_set, quant_name = settings(opt.quant_set)
     learned = ["range_learning=True"] * bool(opt.range_learning)  # named, so that its runs never land on the others
     qat_set, qat_name = settings(learned + opt.qat_set)
     qad_set, qad_name = settings(learned + opt.qad_set + [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base"))
-    if any(kv.startswith("teacher_init=") for kv in opt.qad_set):  # bench sets it, from --qad_teacher
-        sys.exit("bench: --qad_set teacher_init=... is not read; choose QAD's teacher with --qad_teacher base or plain")
     methods = opt.methods.split(",")
     if unknown := set(methods) - {"qat", "qad", "none"}:
         sys.exit(f"bench: --methods {opt.methods!r} names {sorted(unknown)}; use qat, qad, both (qat,qad) or none")
@@ -776,6 +779,15 @@ if __name__ == "__main__":
     p.add_argument("--kd_temperature", type=float, default=1.0)
     p.add_argument("--kd_train_tokens", type=int, default=2 ** 18, help="train split cut to this many tokens (0: whole)")
     opt = p.parse_args()
+    # what deploy and kd read: another option given to them would be ignored without a word (deploy
+    # measures 8da4w in float32 on this machine's CPU, kd one process)
+    shape = {"preset", "n_layer", "n_embd", "n_head", "n_kv_head", "data_dir", "out_dir", "batch_size", "block_size"}
+    reads = {"deploy": shape | {"base_iters", "group_size", "qat_dir", "new_tokens", "prompt_tokens", "eval_windows", "rounds"},
+             "kd": shape | {"device", "dtype", "base_ckpt", "base_iters", "base_lr", "seeds", "steps", "warmup", "rounds",
+                            "student_preset", "kd_iters", "kd_lr", "kd_ratio", "kd_divergence", "kd_temperature",
+                            "kd_train_tokens", "ks"}}.get(opt.mode)
+    if reads and (unread := [k for k in vars(opt) if k not in reads | {"mode"} and getattr(opt, k) != p.get_default(k)]):
+        p.error(f"{opt.mode} does not read {', '.join('--' + k for k in unread)}")
     opt.preset_is_torchtune = opt.preset == "torchtune"
     if opt.preset_is_torchtune:  # the shape torchtune's recipe was measured with
         opt.preset, opt.n_layer, opt.n_embd, opt.n_head, opt.n_kv_head = "tiny", 4, 256, 4, 4

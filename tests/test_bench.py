@@ -90,7 +90,11 @@ def test_quality_report(tmp_path):
     for setting, says in (("--qat_set=fake_quant_after_n_steps=5", "converted as 'ptq', not 'qat'"),
                           ("--qad_set=teacher_init=x", "--qad_set teacher_init=... is not read"),
                           ("--ft_set=seed=3", "--ft_set seed=... is not read"),
-                          ("--ft_set=dtype=bfloat16", "--ft_set dtype=... is not read")):
+                          ("--ft_set=dtype=bfloat16", "--ft_set dtype=... is not read"),
+                          # nor may a method's own settings move it off PTQ's grid or seed
+                          ("--qat_set=group_size=64", "--qat_set group_size=... is not read"),
+                          ("--qad_set=quant_skip=('output',)", "--qad_set quant_skip=... is not read"),
+                          ("--qat_set=seed=0", "--qat_set seed=... is not read")):
         r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "quality", "--data_dir", data, "--out_dir", str(out),
                             *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"), "--ft_iters", "2", "--kd_iters", "0",
                             "--seeds", "1", "--schemes", "8da2w", setting], cwd=ROOT, env=script_env(),

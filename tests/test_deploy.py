@@ -180,3 +180,7 @@ def test_bench_deploy(tmp_path):
     assert res["executorch"]["file_mb"] < res["full precision"]["file_mb"]
     assert abs(res["executorch"]["val_loss"] - res["converted"]["val_loss"]) < 0.01
     assert all(row["decode_tokens_per_sec"] > 0 for row in res.values())
+    # it measures on this CPU, in one process: options it would ignore are refused
+    r = subprocess.run([sys.executable, "bench.py", "deploy", "--device", "cuda", "--nproc", "2"], cwd=ROOT, env=script_env(),
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "deploy does not read --device, --nproc" in r.stderr, r.stderr[-3000:]
