@@ -360,8 +360,11 @@ def atomic_save(obj, path):
     os.replace(path + ".tmp", path)
 
 
-# the learning rate's schedule: a resume may change it (to train longer, say), when it says so
-SCHEDULE = ("learning_rate", "min_lr", "warmup_iters")  # and the steps of the decay: lr_decay_iters, or max_iters
+# how a step trains: a resume may change these (to train longer, say) when it says so, never by leaving
+# one out; the learning rate's schedule (and the steps of the decay: lr_decay_iters, or max_iters), the
+# optimizer's settings and the precision. A script checks those of them it has
+SCHEDULE = ("learning_rate", "min_lr", "warmup_iters", "weight_decay", "beta1", "beta2", "grad_clip", "norm_lr_ratio",
+            "range_lr_ratio", "optimizer_in_bwd", "dtype", "mixed_precision")
 
 
 def scales_without_state(ckpt, path):
@@ -412,7 +415,7 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     if asked is None:
         return ""
     theirs = ckpt["config"]
-    was = {k: theirs[k] for k in SCHEDULE if theirs.get(k) is not None and theirs[k] != config[k]}
+    was = {k: theirs[k] for k in SCHEDULE if k in config and theirs.get(k) is not None and theirs[k] != config[k]}
     # the decay's steps: lr_decay_iters, where either run sets it (not 0), else max_iters
     decay = "lr_decay_iters" if theirs.get("lr_decay_iters") or config["lr_decay_iters"] else "max_iters"
     if decay in theirs and (theirs.get("lr_decay_iters") or theirs["max_iters"]) != (config["lr_decay_iters"] or config["max_iters"]):
@@ -420,8 +423,8 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     if unsaid := [k for k in was if k not in asked]:
         raise ValueError(f"{path} was trained with {', '.join(f'{k}={was[k]!r}' for k in unsaid)}, and this run has the "
                          f"default{'s' if len(unsaid) > 1 else ''} ({', '.join(f'{k}={config[k]!r}' for k in unsaid)}); "
-                         f"give {'them' if len(unsaid) > 1 else 'it'}: the same to continue its learning-rate schedule, "
-                         f"another to change it from the checkpoint's step")
+                         f"give {'them' if len(unsaid) > 1 else 'it'}: the same to continue as it trained, another to change "
+                         f"{'them' if len(unsaid) > 1 else 'it'} from the checkpoint's step")
     return "; ".join(f"{k} {v!r} -> {config[k]!r}" for k, v in was.items())
 
 

@@ -192,6 +192,9 @@ try:
     quant_bits, gradient_accumulation_steps = check_training(config, overridden, world_size)
 except ConfigError as e:
     fail(str(e))
+if master_process and not topk_write and 0 < max_iters <= warmup_iters:  # e.g. a short run under a config's warmup
+    print(f"warning: warmup_iters={warmup_iters} outlasts max_iters={max_iters}: the learning rate rises to "
+          f"{learning_rate * max_iters / (warmup_iters + 1):.3g} and never reaches learning_rate={learning_rate:g}")
 # recorded as derived: a resume compares it, and 0 would mean another batch on another process count
 config["gradient_accumulation_steps"] = gradient_accumulation_steps
 
@@ -250,6 +253,9 @@ except ValueError as e:
     fail(str(e))
 if not lora_rank and (unused := [k for k in ("lora_alpha", "lora_dropout", "lora_targets") if k in overridden]):
     fail(f"{', '.join(unused)} only matter with LoRA, and lora_rank=0; set lora_rank or drop them")
+if lora_rank and not (lora_alpha > 0 and lora_dropout < 1):  # the adapters' updates would be 0: nothing would train
+    fail(f"lora_alpha={lora_alpha} and lora_dropout={lora_dropout}: the adapters train only with lora_alpha > 0 and "
+         f"lora_dropout < 1")
 if kd_divergence != "jsd" and "jsd_beta" in overridden:
     fail(f"jsd_beta only matters with kd_divergence='jsd', not {kd_divergence!r}")
 # kd_ratio 0 trains on the labels alone (a config file's KD settings are the job's, left alone; a
@@ -345,6 +351,9 @@ def load_or_fail(name, path):
     if theirs and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{name}={path!r} was trained with another tokenizer than the data in {data_dir} ({diff}); "
              f"teacher, student and data must share one tokenizer")
+    if data_tokenizer and not theirs and master_process:  # e.g. an HF directory without its tokenizer files
+        print(f"warning: {name}={path!r} records no tokenizer, so nothing checks that the data in {data_dir} was "
+              f"prepared with its tokenizer")
     if args.lora_rank:  # a LoRA student of an earlier run: start from its merged weights
         state = merge_lora(state, args)
         args.lora_rank = 0
@@ -378,7 +387,7 @@ if init_from == "resume":
     except ValueError as e:
         fail(str(e))
     if changes and master_process:
-        print(f"note: the learning-rate schedule changes from the checkpoint's step: {changes}")
+        print(f"note: the training settings change from the checkpoint's step: {changes}")
     if bool(ckpt["config"].get("teacher_topk_dir")) != from_store:  # the whole distribution, or its stored top k
         fail(f"{resume_path} was trained {'from a top-k store' if not from_store else 'with an online teacher'}; resume it "
              f"{'from its store (teacher_topk_dir)' if not from_store else 'without teacher_topk_dir'}")
@@ -784,6 +793,11 @@ def lora_init_state():
 
 # weights: rank 0 holds each full state dict (a fresh init, or the mmapped checkpoint) and
 # broadcasts it; each rank keeps only its shards
+# a QAT or QAD checkpoint trained with this very fake quantization: its learned scales carry over, and
+# converting it untrained (max_iters=0) converts what it was trained as, not PTQ of its weights
+init_source = model_sources.get("init_from", (None, {}))[1]
+source_same_quant = bool(init_source.get("fake_quant")) and all(init_source.get("config", {}).get(k) == config[k] for k in (
+    "quantizer", "group_size", "quantize_embedding", "quant_skip", "range_learning"))
 if master_process and not sharded_from:
     if init_state is None:
         init_model = Transformer(model_args)
@@ -791,13 +805,9 @@ if master_process and not sharded_from:
         init_state = init_model.state_dict()
     elif lora_rank and init_from != "resume":
         init_state = {**to_lora_keys(init_state, model), **lora_init_state()}
-    if range_learning and init_from != "resume":  # a resume has its learned scales
-        # and so does a QAT or QAD checkpoint trained with this very fake quantization, as qat_train.py keeps them
-        source = model_sources.get("init_from", (None, {}))[1]
-        same = bool(source.get("fake_quant")) and all(source.get("config", {}).get(k) == config[k] for k in (
-            "quantizer", "group_size", "quantize_embedding", "quant_skip", "range_learning"))
+    if range_learning and init_from != "resume":  # a resume has its learned scales, and so has such a source
         init_state = {**init_state, **initial_scales(model, init_state),
-                      **{k: v for k, v in source.get("model", {}).items() if same and k.endswith("learned_scale")}}
+                      **{k: v for k, v in init_source.get("model", {}).items() if source_same_quant and k.endswith("learned_scale")}}
 broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 if not sharded_from:  # a sharded checkpoint is read after the optimizer exists, with its state
     set_model_state_dict(model, init_state if master_process else {}, options=broadcast)
@@ -850,7 +860,8 @@ if init_from == "resume":
         print(f"resumed from {resume_path} at step {iter_num}")
 start_iter = iter_num
 teacher_val_loss = ckpt.get("teacher_val_loss")
-ckpt_fake_quant = bool(ckpt.get("fake_quant"))  # resume has checked that the quantization settings match
+# how the loaded weights were trained (resume has checked that the quantization settings match)
+ckpt_fake_quant = bool(ckpt.get("fake_quant")) if init_from == "resume" else source_same_quant
 ckpt = None  # free the optimizer state held by rank 0
 
 
@@ -1337,13 +1348,13 @@ with profiler as prof:
             class_loss, kd_loss_val = (sums / n_tokens).tolist()  # a log step's host sync, with check_finite's
             loss_val = mix(class_loss, kd_loss_val)
             tps = tokens_per_iter * (iter_num - last_log_iter) / (time.perf_counter() - t0)
-            t0, last_log_iter = time.perf_counter(), iter_num
             mfu = flops_token * tps / world_size / peak
             if mfu > 1 and not peak_flops_per_device:  # the peak was timed in a busy moment: time it again, once
                 if not peak_retimed:
                     peak, peak_retimed = max(peak, peak_flops(device_type, ptdtype)[0]), True
                 peak = max(peak, flops_token * tps / world_size)  # a rate the run reached is one the machine has
                 mfu = flops_token * tps / world_size / peak
+            t0, last_log_iter = time.perf_counter(), iter_num  # after the peak's timing, which is no training
             record = {"iter": iter_num, "loss": loss_val, "class_loss": class_loss, "kd_loss": kd_loss_val, "lr": lr,
                       "epoch": (iter_num - 1) // steps_per_epoch,
                       "grad_norm": grad_norm.full_tensor().item(),  # FSDP's gradients are DTensors, and so is their norm

@@ -156,6 +156,9 @@ try:
     quant_bits, gradient_accumulation_steps = check_training(config, overridden, world_size)
 except ConfigError as e:
     fail(str(e))
+if master_process and not convert_only and 0 < max_iters <= warmup_iters:  # e.g. a short run under a config's warmup
+    print(f"warning: warmup_iters={warmup_iters} outlasts max_iters={max_iters}: the learning rate rises to "
+          f"{learning_rate * max_iters / (warmup_iters + 1):.3g} and never reaches learning_rate={learning_rate:g}")
 # recorded as derived: a resume compares it, and 0 would mean another batch on another process count
 config["gradient_accumulation_steps"] = gradient_accumulation_steps
 
@@ -250,6 +253,9 @@ if init_from != "scratch":
     if theirs and (diff := tokenizer_mismatch(theirs, data_tokenizer)):
         fail(f"{resume_path} was trained with another tokenizer than the data in {data_dir} ({diff}); "
              f"prepare the data with the model's own tokenizer")
+    if data_tokenizer and not theirs and master_process:  # e.g. an HF directory without its tokenizer files
+        print(f"warning: {resume_path} records no tokenizer, so nothing checks that the data in {data_dir} was "
+              f"prepared with the model's own")
     if model_args.lora_rank:  # a LoRA model (from kd_train.py): QAT rounds what it computes, W + BA
         init_state = merge_lora(init_state, model_args) if master_process else None
         model_args.lora_rank = 0
@@ -257,6 +263,9 @@ if init_from != "scratch":
             print(f"note: {init_from} holds LoRA adapters; they are merged into the weights before QAT")
 if data_meta["vocab_size"] > model_args.vocab_size:
     fail(f"the data in {data_dir} uses {data_meta['vocab_size']} token ids but the model has only {model_args.vocab_size}; prepare the data with the model's tokenizer")
+if model_args.vocab_size - data_meta["vocab_size"] >= 1024:  # rows past the tokenizer's are padding, never this many
+    fail(f"the model has {model_args.vocab_size} vocabulary rows but the data's tokenizer only {data_meta['vocab_size']}: "
+         f"more than padding, so the model uses another tokenizer; prepare the data with the model's tokenizer")
 if block_size > model_args.max_seq_len:
     fail(f"block_size={block_size} exceeds the model's max_seq_len={model_args.max_seq_len}")
 try:
@@ -274,7 +283,7 @@ if init_from == "resume":  # these decide which batches a step sees, or what the
     except ValueError as e:
         fail(str(e))
     if changes and master_process:
-        print(f"note: the learning-rate schedule changes from the checkpoint's step: {changes}")
+        print(f"note: the training settings change from the checkpoint's step: {changes}")
 # whether the loaded weights were trained with this very fake quantization (so converting them is QAT)
 same_quant = "config" in ckpt and all(ckpt["config"].get(k) == globals()[k] for k in quant_settings)
 ckpt_fake_quant = bool(ckpt.get("fake_quant")) and same_quant
@@ -844,13 +853,13 @@ with profiler as prof:
             dist.all_reduce(loss_sum)
             loss_val = loss_sum.item() / n_tokens.item()  # a log step's host sync, with check_finite's
             tps = tokens_per_iter * (iter_num - last_log_iter) / (time.perf_counter() - t0)
-            t0, last_log_iter = time.perf_counter(), iter_num
             mfu = flops_token * tps / world_size / peak
             if mfu > 1 and not peak_flops_per_device:  # the peak was timed in a busy moment: time it again, once
                 if not peak_retimed:
                     peak, peak_retimed = max(peak, peak_flops(device_type, ptdtype)[0]), True
                 peak = max(peak, flops_token * tps / world_size)  # a rate the run reached is one the machine has
                 mfu = flops_token * tps / world_size / peak
+            t0, last_log_iter = time.perf_counter(), iter_num  # after the peak's timing, which is no training
             record = {"iter": iter_num, "loss": loss_val, "lr": lr, "epoch": (iter_num - 1) // steps_per_epoch,
                       # FSDP's gradients are DTensors, and so is their norm
                       "grad_norm": None if optimizer_in_bwd else grad_norm.full_tensor().item(),

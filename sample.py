@@ -45,6 +45,10 @@ from configurator import configure
 _, overridden = configure(globals())
 if "pte_max_seq_len" in overridden and not export_pte:
     raise SystemExit("error: pte_max_seq_len sizes the cache of the --export_pte program; give --export_pte=PATH, or drop it")
+if dtype not in ("float32", "bfloat16"):
+    raise SystemExit(f"error: dtype={dtype!r} is not supported; use 'float32' or 'bfloat16'")
+if device != "cpu" and not (device.split(":")[0] == "cuda" and torch.cuda.is_available()):
+    raise SystemExit(f"error: device={device!r} is not available here; use 'cpu' or, with a visible GPU, 'cuda'")
 
 torch.manual_seed(seed)
 # the tokenizer first: a wrong one would print confident garbage after a long load

@@ -415,9 +415,15 @@ def test_set_aside_checkpoint_keeps_this_runs_input(tmp_path):
     ({}, {"lr_decay_iters": 800}, {"lr_decay_iters"}, "lr_decay_iters 0 -> 800"),
     ({"learning_rate": 2e-3}, {}, set(), "refused: learning_rate=0.002, and this run has the default (learning_rate=0.001)"),
     ({"learning_rate": 2e-3, "min_lr": 0}, {}, {"learning_rate", "min_lr"}, "learning_rate 0.002 -> 0.001; min_lr 0 -> 0.0001"),
+    # the optimizer's settings and the precision likewise; a setting this script does not have is not compared
+    ({"beta2": 0.99, "range_lr_ratio": 0.01}, {}, set(), "refused: beta2=0.99, range_lr_ratio=0.01, and this run has the defaults (beta2=0.95, range_lr_ratio=1.0)"),
+    ({"dtype": "bfloat16"}, {}, set(), "refused: dtype='bfloat16', and this run has the default (dtype='float32')"),
+    ({"weight_decay": 0.0}, {}, {"weight_decay"}, "weight_decay 0.0 -> 0.1"),
+    ({"optimizer_in_bwd": True}, {}, set(), ""),
 ])
 def test_resume_changes_the_schedule_only_when_asked(theirs, ours, asked, says):
-    base = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 10, "lr_decay_iters": 0, "max_iters": 500}
+    base = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 10, "lr_decay_iters": 0, "max_iters": 500,
+            "weight_decay": 0.1, "beta2": 0.95, "range_lr_ratio": 1.0, "dtype": "float32"}
     try:
         said = check_resume({"config": {**base, **theirs}, "script": "qat_train.py"}, {**base, **ours}, (), {}, "ckpt.pt",
                             "qat_train.py", asked=asked)

@@ -473,6 +473,8 @@ def misc_runs(setup, tmp_path_factory):
         "lora_with_quantizer": dict(common, lora_rank=4, quantizer="8da4w"),
         "norm_lr_ratio_with_lora": dict(common, lora_rank=4, norm_lr_ratio=3.0),
         "norm_lr_ratio_zero": dict(common, norm_lr_ratio=0.0),
+        "lora_alpha_zero": dict(common, lora_rank=4, lora_alpha=0.0),  # adapters scaled by 0: nothing would train
+        "lora_dropout_one": dict(common, lora_rank=4, lora_dropout=1.0),  # every adapter input dropped: the same
         "adapter_only_without_lora": dict(common, save_adapter_only=True),
         "student_vocab": dict(common, init_from=big_vocab),
         "teacher_vocab": dict(common, teacher_init=small_vocab),
@@ -560,7 +562,12 @@ def test_qad_delayed_learned_scales_and_resume_settings(setup, tmp_path):
                         ("kd_train.py", dict(common, out_dir=resumed, range_learning=True, max_iters=1, range_lr_ratio=0.01,
                                              quant_skip=("layers.0.",))),
                         ("kd_train.py", dict(common, out_dir=resumed, range_learning=True, init_from="resume", weight_decay=0.0,
-                                             beta2=0.99, quant_skip=("layers.0.",)))], tmp_path)
+                                             beta2=0.99, range_lr_ratio=1.0, quant_skip=("layers.0.",))),
+                        # converted untrained from that QAD checkpoint: what it was trained as, with its learned scales
+                        ("kd_train.py", dict(common, out_dir=str(tmp_path / "again"), range_learning=True, max_iters=0,
+                                             init_from=os.path.join(learned, "ckpt.pt")))], tmp_path)
+    ours, again = read_log(learned)[-1], read_log(tmp_path / "again")[-1]
+    assert again["method"] == "qad" and again["quant_val_loss"] == pytest.approx(ours["quant_val_loss"], rel=1e-6)
     a, b = (train_lines(read_log(d))[1] for d in (learned, dynamic))
     assert a["fake_quant"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     ends = [torch.load(os.path.join(d, "ckpt.pt"), weights_only=True)["model"] for d in (learned, early)]
@@ -578,6 +585,8 @@ ERRORS = {
     "lora_with_quantizer": "lora_rank",
     "norm_lr_ratio_with_lora": "norm_lr_ratio sets the RMSNorm gains' learning rate, and lora_rank > 0 trains the adapters alone",
     "norm_lr_ratio_zero": "norm_lr_ratio=0.0 must be",
+    "lora_alpha_zero": "lora_alpha=0.0 and lora_dropout=0.0: the adapters train only with lora_alpha > 0 and lora_dropout < 1",
+    "lora_dropout_one": "lora_alpha=16.0 and lora_dropout=1.0: the adapters train only",
     "adapter_only_without_lora": "save_adapter_only=True needs LoRA",
     "student_vocab": "the student has 2000 vocabulary rows",
     "teacher_vocab": "the teacher has only 200",
@@ -605,3 +614,5 @@ def test_vocab_mismatch_error_from_a_real_process(misc_runs):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: "), r.stderr
     assert "Traceback" not in r.stderr and "teacher and student must share one" in r.stderr
+    # the toy checkpoints record no tokenizer: only their vocabularies hold them to the data, and the run says so
+    assert f"warning: init_from={settings['init_from']!r} records no tokenizer, so nothing checks" in r.stdout, r.stdout[-2000:]

@@ -233,6 +233,8 @@ def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):
     assert "quantized" in r.stdout and "computing in float32" in r.stdout, r.stdout
     r = run("sample.py", check=False, init_from=str(out / "quantized.pt"), dtype="bfloat16", max_new_tokens=3)
     assert r.returncode != 0 and "is a converted model, which computes in torch.float32; drop --dtype" in r.stderr, r.stderr[-2000:]
+    r = run("sample.py", check=False, init_from=str(out / "quantized.pt"), dtype="float16")
+    assert r.returncode != 0 and "dtype='float16' is not supported; use 'float32' or 'bfloat16'" in r.stderr, r.stderr[-2000:]
     r = run("sample.py", check=False, init_from=str(out / "quantized.pt"), pte_max_seq_len=64)
     assert r.returncode != 0 and "pte_max_seq_len sizes the cache of the --export_pte program" in r.stderr, r.stderr[-2000:]
     other = write_sentencepiece(tmp_path / "sp.model")

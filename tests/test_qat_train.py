@@ -2,6 +2,7 @@
 (FSDP2 on gloo), accumulation, the fake-quant switch, resume (also after a kill), conversion,
 PTQ, the loss mask, precision and memory options, and every user error."""
 
+import json
 import logging
 import math
 import os
@@ -445,7 +446,7 @@ def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_none_to_resume(tr
     assert (out / "ckpt.pt").exists() and not (out / "ckpt.pt.prev").exists()
 
 
-def test_resume_refuses_other_data(train, tmp_path):
+def test_resume_refuses_other_data(train, data, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(train(), out)
     other = make_data(tmp_path / "other", seed=1)
@@ -456,6 +457,16 @@ def test_resume_refuses_other_data(train, tmp_path):
     r = run(SCRIPT, check=False, **{**FINETUNE, "data_dir": other_tok, "out_dir": tmp_path / "ft",
                                     "init_from": str(out / "ckpt.pt")})
     assert r.returncode == 2 and "another tokenizer" in r.stderr, r.stderr[-2000:]
+    # a model that records no tokenizer is held to the data by its vocabulary alone: a warning, and
+    # more rows than padding explains is another tokenizer's model
+    big = make_data(tmp_path / "big", vocab_size=2000)
+    meta = json.loads((tmp_path / "big" / "meta.json").read_text())
+    (tmp_path / "big" / "meta.json").write_text(json.dumps({**meta, "tokenizer": None}))
+    run(SCRIPT, **{**BASE, "data_dir": big, "out_dir": tmp_path / "big_run", "max_iters": 1})
+    r = run(SCRIPT, check=False, **{**FINETUNE, "data_dir": data, "out_dir": tmp_path / "ft2",
+                                    "init_from": str(tmp_path / "big_run" / "ckpt.pt")})
+    assert "records no tokenizer, so nothing checks" in r.stdout, r.stdout[-2000:]
+    assert r.returncode == 2 and "2000 vocabulary rows but the data's tokenizer only 256: more than padding" in r.stderr, r.stderr[-2000:]
 
 
 # -----------------------------------------------------------------------------
@@ -588,7 +599,11 @@ def test_resume_changes_the_schedule_only_when_told(data, tmp_path):
     assert r.returncode == 2 and "was trained with min_lr=0.001, and this run has the default (min_lr=3e-05); give it" in r.stderr
     # given, another value changes the schedule from the checkpoint's step, and the run says so
     r = run(SCRIPT, **{**settings, "init_from": "resume", "max_iters": 3})
-    assert "note: the learning-rate schedule changes from the checkpoint's step: max_iters 2 -> 3" in r.stdout
+    assert "note: the training settings change from the checkpoint's step: max_iters 2 -> 3" in r.stdout
+    # the optimizer's settings too: a resume that leaves one out would train on with the default
+    run(SCRIPT, **{**settings, "out_dir": tmp_path / "opt", "max_iters": 2, "beta2": 0.99, "norm_lr_ratio": 5.0})
+    r = run(SCRIPT, check=False, **{**settings, "out_dir": tmp_path / "opt", "init_from": "resume", "max_iters": 3, "beta2": 0.99})
+    assert r.returncode == 2 and "was trained with norm_lr_ratio=5.0, and this run has the default (norm_lr_ratio=1.0)" in r.stderr
 
 
 def test_resume_applies_this_runs_optimizer_settings(data, tmp_path):
@@ -598,7 +613,8 @@ def test_resume_applies_this_runs_optimizer_settings(data, tmp_path):
     settings = {**BASE, **QAT, "quantizer": "8da2w", "fake_quant_after_n_steps": 0, "range_learning": True,
                 "data_dir": data, "out_dir": out}
     run(SCRIPT, **{**settings, "max_iters": 2, "weight_decay": 0.1, "beta2": 0.95, "range_lr_ratio": 0.01, "norm_lr_ratio": 3.0})
-    run(SCRIPT, **{**settings, "max_iters": 3, "init_from": "resume", "weight_decay": 0.0, "beta2": 0.99, "range_lr_ratio": 1.0})
+    run(SCRIPT, **{**settings, "max_iters": 3, "init_from": "resume", "weight_decay": 0.0, "beta2": 0.99, "range_lr_ratio": 1.0,
+                   "norm_lr_ratio": 1.0})
     groups = torch.load(out / "ckpt.pt", weights_only=True)["optimizer"]["param_groups"]
     assert len(groups) == 3
     assert all(g["weight_decay"] == 0.0 and tuple(g["betas"]) == (0.9, 0.99) for g in groups)
