@@ -2,7 +2,9 @@
 # (8da4w), bf16, activation checkpointing, fake quant switched on after a short warm start.
 # $ python data_prep.py --input my_corpus/ --tokenizer checkpoints/Llama-2-7b/tokenizer.model --out_dir data/llama2
 # $ torchrun --standalone --nproc_per_node 8 qat_train.py config/llama2.py
-init_from = "checkpoints/Llama-2-7b"  # a Meta (params.json) or Hugging Face (config.json) directory
+# a Meta (params.json) or Hugging Face (config.json) directory; a Meta one of Llama 2 needs a nanotune.json
+# beside params.json saying its context, {"max_seq_len": 4096}, which Meta's files leave out (README, "Real models")
+init_from = "checkpoints/Llama-2-7b"
 data_dir = "data/llama2"  # prepared with the model's own tokenizer.model
 out_dir = "out/llama_qat"
 device = "cuda"
@@ -26,3 +28,5 @@ eval_interval = 100
 eval_iters = 20
 log_interval = 10
 ckpt_interval = 200
+# each process writes its own shards: a 7B model with AdamW state is 42-84 GB in one file
+sharded_checkpoint = True

@@ -29,5 +29,5 @@ eval_interval = 100
 eval_iters = 20
 log_interval = 10
 ckpt_interval = 200
-# each process writes its own shards: an 8B model with AdamW state is 48-96 GB in one file
+# each process writes its own shards of the student (the teacher is never saved), not rank 0 alone
 sharded_checkpoint = True

@@ -27,3 +27,5 @@ eval_interval = 100
 eval_iters = 20
 log_interval = 10
 ckpt_interval = 200
+# each process writes its own shards: an 8B model with AdamW state is 48-96 GB in one file
+sharded_checkpoint = True
