@@ -566,17 +566,30 @@ def deploy(opt):
         logits = et(x, torch.arange(x.shape[1])) if label == "executorch" else models[label](x)
         return torch.nn.functional.cross_entropy(logits[0].float(), y[0]).item()
 
+    if n_new < 2:
+        sys.exit(f"error: {n_new} new tokens leave no decoding to time past the first; raise --new_tokens")
+
+    def decode_rate(label):
+        """tokens/s of decoding alone: an n_new-token call less a 1-token one (prefill and the first
+        step), timed back to back; a pair whose difference noise erased is timed again"""
+        for _ in range(5):
+            t0 = time.perf_counter()
+            generate(label, 1)
+            t1 = time.perf_counter()
+            generate(label, n_new)
+            t2 = time.perf_counter()
+            if (decoding := (t2 - t1) - (t1 - t0)) > 0:
+                return (n_new - 1) / decoding
+        sys.exit(f"error: {label}: {n_new} tokens took no longer to generate than 1, five times; raise --new_tokens")
+
     labels = list(files)
     rates, losses = {k: [] for k in labels}, {k: [] for k in labels}
     with torch.no_grad():
+        for label in labels:  # untimed: a first call's one-time costs would land in the 1-token timing
+            generate(label, 1), generate(label, n_new)
         for _ in range(opt.rounds):
             for label in labels:  # interleaved: a busy moment on a shared machine hits every format alike
-                t0 = time.perf_counter()
-                generate(label, 1)  # prefill and one step, subtracted: tokens/s of decoding alone
-                t1 = time.perf_counter()
-                generate(label, n_new)
-                t2 = time.perf_counter()
-                rates[label].append((n_new - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
+                rates[label].append(decode_rate(label))
         for w in windows:
             for label in labels:
                 losses[label].append(val_loss(label, w))

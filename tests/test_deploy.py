@@ -179,7 +179,8 @@ def test_bench_deploy(tmp_path):
     assert list(res) == ["full precision", "converted", "executorch"]
     assert res["executorch"]["file_mb"] < res["full precision"]["file_mb"]
     assert abs(res["executorch"]["val_loss"] - res["converted"]["val_loss"]) < 0.01
-    assert all(row["decode_tokens_per_sec"] > 0 for row in res.values())
+    # a first call's one-time costs are not timed: they once made the rate's denominator vanish (1e10 tokens/s)
+    assert all(0 < row["decode_tokens_per_sec"] < 1e7 for row in res.values()), res
     # it measures on this CPU, in one process: options it would ignore are refused
     r = subprocess.run([sys.executable, "bench.py", "deploy", "--device", "cuda", "--nproc", "2"], cwd=ROOT, env=script_env(),
                        capture_output=True, text=True)
