@@ -264,13 +264,14 @@ if kd_ratio == 0 and (unused := [k for k in ("kd_divergence", "jsd_beta", *(() i
                                  if k in command_line_keys()]):
     fail(f"kd_ratio=0 trains on the labels alone, so {', '.join(unused)} would only change the logged kd_loss; drop them "
          f"or set kd_ratio > 0")
+# what the student's weights are trained for: a resume, and a finetune from a QAT or QAD checkpoint, compare them
+quant_settings = ("quantizer", "group_size", "quantize_embedding", "quant_skip", "range_learning")
 # a store write runs the teacher over the train windows and exits: the student's settings, the loss's
 # and the loop's would be ignored (a config file may hold them: it is the training job's, shared)
 if topk_write and (unused := [k for k in ("init_from", "preset", "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank",
-                                          "lora_alpha", "lora_dropout", "lora_targets", "save_adapter_only", "quantizer",
-                                          "group_size", "quantize_embedding", "quant_skip", "range_learning", "kd_ratio",
-                                          "kd_divergence", "jsd_beta", "export_format", "wandb_log", "wandb_project",
-                                          "wandb_run_name", "mixed_precision", "reshard_after_forward", *TRAINING_ONLY)
+                                          "lora_alpha", "lora_dropout", "lora_targets", "save_adapter_only",
+                                          *quant_settings, "kd_ratio", "kd_divergence", "jsd_beta", "export_format",
+                                          "wandb_log", "wandb_project", "wandb_run_name", "mixed_precision", "reshard_after_forward", *TRAINING_ONLY)
                               if k in command_line_keys()]):
     fail(f"topk_write=True only runs teacher_init over the train windows, so {', '.join(unused)} would be ignored; drop "
          f"them, and train from the store with teacher_topk_dir")
@@ -380,8 +381,7 @@ if init_from == "resume":
         quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip) if quant_bits else ()
         changes = check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "preset",
                                               "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
-                                              "lora_dropout", "lora_targets", "quantizer", "group_size", "quantize_embedding",
-                                              "quant_skip", "range_learning", "fake_quant_after_n_steps",
+                                              "lora_dropout", "lora_targets", *quant_settings, "fake_quant_after_n_steps",
                                               "kd_ratio", "kd_divergence", "kd_temperature", "jsd_beta"), data_meta,
                                resume_path, "kd_train.py", asked=overridden)
     except ValueError as e:
@@ -796,8 +796,8 @@ def lora_init_state():
 # a QAT or QAD checkpoint trained with this very fake quantization: its learned scales carry over, and
 # converting it untrained (max_iters=0) converts what it was trained as, not PTQ of its weights
 init_source = model_sources.get("init_from", (None, {}))[1]
-source_same_quant = bool(init_source.get("fake_quant")) and all(init_source.get("config", {}).get(k) == config[k] for k in (
-    "quantizer", "group_size", "quantize_embedding", "quant_skip", "range_learning"))
+source_same_quant = bool(init_source.get("fake_quant")) and all(init_source.get("config", {}).get(k) == config[k]
+                                                                 for k in quant_settings)
 if master_process and not sharded_from:
     if init_state is None:
         init_model = Transformer(model_args)
