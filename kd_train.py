@@ -1363,13 +1363,17 @@ with profiler as prof:
             log(record)
             pbar.set_postfix(loss=f"{loss_val:.4f}", ce=f"{class_loss:.4f}", kd=f"{kd_loss_val:.4f}",
                              tok_s=f"{tps:,.0f}", mfu=f"{mfu:.0%}")
+        evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
+        saving = iter_num % ckpt_interval == 0 or iter_num == max_iters
+        if (evaluating or saving) and device_type == "cuda":
+            torch.cuda.synchronize()  # the step's queued work is training time, not the pause's
         t_pause = time.perf_counter()  # evaluation and checkpoints are not training time
-        if iter_num % eval_interval == 0 or iter_num == max_iters:
+        if evaluating:
             val_loss = evaluate(model, it=iter_num)
             log({"iter": iter_num, "val_loss": val_loss, "fake_quant": fake_quant_on(iter_num - 1)})
             if master_process:
                 pbar.write(f"step {iter_num}: val loss {val_loss:.4f} (teacher {teacher_val_loss:.4f})")
-        if iter_num % ckpt_interval == 0 or iter_num == max_iters:
+        if saving:
             check_finite()
             save_checkpoint()
             saved_iter = iter_num
