@@ -570,9 +570,13 @@ def _load_hf(path, weights=True):
     hf = {}
     for file in _hf_weight_files(path, say=weights):
         if file.endswith(".safetensors"):
-            hf.update(load_file(file))  # memory-mapped
+            part = load_file(file)  # memory-mapped
         else:
-            hf.update(torch.load(file, mmap=True, weights_only=True, map_location="cpu"))
+            part = torch.load(file, mmap=True, weights_only=True, map_location="cpu")
+        if twice := hf.keys() & part.keys():
+            raise ValueError(f"{file} holds {len(twice)} tensors that an earlier weight file of {path} holds too "
+                             f"(e.g. {sorted(twice)[0]}): the directory mixes two saves")
+        hf.update(part)
     if not weights:
         hf = _shapes_only(hf)
     sd = hf_to_meta(hf, ModelArgs.from_dict(params))
@@ -643,12 +647,16 @@ def _hf_rope(cfg, where):
 
 
 def _hf_weight_files(path, say=False):
+    """The files transformers reads, in its order: model.safetensors, else the files of
+    model.safetensors.index.json, else pytorch_model.bin, else pytorch_model.bin.index.json's. A
+    single file wins over an index beside it (a stale shard set left by an older save is not read),
+    and shards without their index are refused, as transformers refuses them."""
     incomplete = None  # repositories often ship both formats' indexes; a download may hold one format's files
-    for index, pattern in (("model.safetensors.index.json", "model*.safetensors"),
-                           ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
-        index = os.path.join(path, index)
-        files = []
-        if os.path.isfile(index):
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if os.path.isfile(os.path.join(path, single)):
+            files = [os.path.join(path, single)]
+        elif os.path.isfile(index := os.path.join(path, index)):
             with open(index) as f:
                 names = sorted(set(json.load(f)["weight_map"].values()))
             if missing := [n for n in names if not os.path.isfile(os.path.join(path, n))]:
@@ -656,12 +664,19 @@ def _hf_weight_files(path, say=False):
                                                       f"(e.g. {missing[0]}): finish the download")
                 continue
             files = [os.path.join(path, n) for n in names]
-        # model*, not *.safetensors: Mistral's directories also hold consolidated.safetensors in Meta's names
-        if files := files or sorted(glob(os.path.join(path, pattern))):
-            if incomplete and say:
-                print(f"note: {incomplete}; reading the {pattern} files instead")
-            return files
-    raise incomplete or ValueError(f"{path} has a config.json but no model*.safetensors or pytorch_model*.bin files")
+        else:
+            continue
+        if incomplete and say:
+            print(f"note: {incomplete}; reading {os.path.basename(files[0])} instead")
+        return files
+    if incomplete:
+        raise incomplete
+    # model*, not *.safetensors: Mistral's directories also hold consolidated.safetensors in Meta's names
+    if shards := sorted(glob(os.path.join(path, "model*.safetensors")) + glob(os.path.join(path, "pytorch_model*.bin"))):
+        raise ValueError(f"{path} holds weight shards ({os.path.basename(shards[0])}, ...) without the index that says "
+                         f"which belong to the model (model.safetensors.index.json or pytorch_model.bin.index.json): "
+                         f"copy it from the checkpoint's source")
+    raise ValueError(f"{path} has a config.json but no model*.safetensors or pytorch_model*.bin files")
 
 
 def _args_for(params, sd, where, hidden_dim=None, hf_names=False):

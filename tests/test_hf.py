@@ -215,6 +215,38 @@ def test_hf_missing_shard(tmp_path, capsys):
     assert "model.safetensors.index.json names 1 weight files that are not in" in capsys.readouterr().out  # and says so
 
 
+def test_hf_weight_files_as_transformers_reads_them(tmp_path):
+    # a single file beside an older save's shards and index: transformers reads the single file, so must we
+    new, old = hf_model("llama3", seed=1), hf_model("llama3", seed=0)
+    path = save_hf(new, tmp_path / "hf", "5.x")
+    old.save_pretrained(tmp_path / "old", max_shard_size="20KB")
+    shards = sorted(n for n in os.listdir(tmp_path / "old") if n.startswith("model-"))
+    assert len(shards) > 2
+    for n in shards + ["model.safetensors.index.json"]:
+        (path / n).write_bytes((tmp_path / "old" / n).read_bytes())
+    args, sd = load_checkpoint(str(path))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert max_err(nanotune_logits(args, sd), hf_logits(ref)) < 1e-4
+    assert max_err(hf_logits(ref), hf_logits(old)) > 1  # the stale shards are another model
+    # shards without their index: which of them make the model is not known, so refused, as transformers does
+    os.remove(path / "model.safetensors")
+    os.remove(path / "model.safetensors.index.json")
+    with pytest.raises(ValueError, match=r"holds weight shards \(model-00001-of-.*\) without the index") as e:
+        load_checkpoint(str(path))
+    assert "\n" not in str(e.value)
+    # an index whose shards hold one tensor twice: two saves mixed, refused rather than one silently kept
+    index = json.loads((tmp_path / "old" / "model.safetensors.index.json").read_text())
+    first = index["weight_map"]["model.embed_tokens.weight"]
+    index["weight_map"]["model.norm.weight"] = first
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (path / "model-99999-of-99999.safetensors").write_bytes((path / first).read_bytes())
+    index["weight_map"]["model.embed_tokens.weight"] = "model-99999-of-99999.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"holds 1 tensors that an earlier weight file .* holds too "
+                                         r"\(e.g. model.embed_tokens.weight\): the directory mixes two saves"):
+        load_checkpoint(str(path))
+
+
 def test_meta_scaled_rope(tmp_path):
     # Meta's use_scaled_rope is transformers' llama3 type with factor 8, low 1, high 4, context 8192
     rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
