@@ -552,7 +552,7 @@ def deploy(opt):
         sys.exit(f"error: {opt.data_dir} holds packed prompt/response samples; give --data_dir of plain text data")
     val = np.fromfile(os.path.join(opt.data_dir, "val.bin"), dtype=data_meta["dtype"]).astype(np.int64)  # uint32 past 65,536 ids
     T = min(opt.block_size, et.max_seq_len)
-    windows = [torch.from_numpy(val[i:i + T + 1])[None] for i in range(0, len(val) - T - 1, T)][:opt.eval_windows]
+    windows = [torch.from_numpy(val[i:i + T + 1])[None] for i in range(0, len(val) - T, T)][:opt.eval_windows]
     prompt = torch.from_numpy(val[:opt.prompt_tokens])[None]
     n_new = min(opt.new_tokens, et.max_seq_len - prompt.shape[1])
 

@@ -288,24 +288,31 @@ def load_tokenizer(path):
     except RuntimeError:
         raise DataPrepError(f"tokenizer {path} is none of a SentencePiece model, a Hugging Face tokenizer.json "
                             f"or a Llama 3 tiktoken tokenizer.model") from None
-    # a transformers folder's tokenizer_config.json may say otherwise than the model's own ids
+    # a transformers folder's tokenizer_config.json may say otherwise than the model's own ids, and
+    # transformers follows it: the data must hold the BOS and EOS that its tokenizer adds
     extras, config = _tokenizer_config(path)
-    bos_id = sp.bos_id() if sp.bos_id() >= 0 and config.get("add_bos_token", True) else None
-    eos_id = sp.eos_id() if sp.eos_id() >= 0 else None
-    if (eos := config.get("eos_token")) is not None:
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if sp.id_to_piece(eos_id := sp.piece_to_id(eos)) != eos:
-            raise DataPrepError(f"{extras[0]} names eos_token {eos!r}, which {path} does not have")
-    if eos_id is not None and not sp.is_control(eos_id):
+    ids = {"bos": sp.bos_id(), "eos": sp.eos_id()}
+    for key in ids:
+        if (name := config.get(f"{key}_token")) is not None:
+            name = name.get("content") if isinstance(name, dict) else name
+            ids[key] = sp.piece_to_id(name)
+            if sp.id_to_piece(ids[key]) != name:
+                raise DataPrepError(f"{extras[0]} names {key}_token {name!r}, which {path} does not have")
+    bos_id = ids["bos"] if ids["bos"] >= 0 and config.get("add_bos_token", True) else None
+    eos_id = ids["eos"] if ids["eos"] >= 0 else None
+    if specials := [(key, i) for key, i in (("bos", bos_id), ("eos", eos_id)) if i is not None and not sp.is_control(i)]:
         # SentencePiece matches a user-defined piece in text: "<|im_end|>" written in a document would
         # end it. Made a control piece here (its id stays), it is text, as every special's string is
         from sentencepiece import sentencepiece_model_pb2 as pb  # protobuf (requirements.txt)
         proto = pb.ModelProto.FromString(data)
-        if proto.pieces[eos_id].type != pb.ModelProto.SentencePiece.USER_DEFINED:  # <unk>, a byte, a piece of words
-            raise DataPrepError(f"{extras[0]} names eos_token {eos!r}, which {path} holds as a piece of ordinary text "
-                                f"(neither a control nor a user-defined piece), so a document would end wherever text "
-                                f"is cut into it; name the model's end-of-text piece")
-        proto.pieces[eos_id].type = pb.ModelProto.SentencePiece.CONTROL
+        for key, i in specials:
+            if proto.pieces[i].type != pb.ModelProto.SentencePiece.USER_DEFINED:  # <unk>, a byte, a piece of words
+                where = {"bos": "start", "eos": "end"}[key]
+                raise DataPrepError(f"{extras[0] if extras else path} names {key}_token {sp.id_to_piece(i)!r}, which "
+                                    f"{path} holds as a piece of ordinary text (neither a control nor a user-defined "
+                                    f"piece), so a document would {where} wherever text is cut into it; name the "
+                                    f"model's {where}-of-text piece")
+            proto.pieces[i].type = pb.ModelProto.SentencePiece.CONTROL
         sp = spm.SentencePieceProcessor()
         sp.LoadFromSerializedProto(proto.SerializeToString())
     controls = [sp.id_to_piece(i) for i in range(sp.vocab_size()) if sp.is_control(i)]
@@ -526,7 +533,9 @@ def list_files(inputs, left_out=None):
             found = [(inp, os.path.basename(inp))]
         else:
             found, walked = [], set()
-            for dirpath, dirnames, filenames in os.walk(inp, followlinks=True):  # a linked folder is read too
+            def unreadable(e):  # os.walk leaves out a folder it cannot list, and all below it, without a word
+                raise DataPrepError(f"cannot read folder {e.filename}: {e.strerror}")
+            for dirpath, dirnames, filenames in os.walk(inp, onerror=unreadable, followlinks=True):  # a linked folder is read too
                 walked.add(os.path.realpath(dirpath))
                 # hidden folders (.git, .venv) and caches are not text anyone meant to train on; a link back
                 # to a folder already walked (its parent, say) would never end

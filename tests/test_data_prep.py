@@ -544,3 +544,19 @@ def test_cli_error_is_one_line(case, corpus, tmp_path):
     assert r.stderr.startswith("data_prep.py: error: ") and r.stderr.count("\n") == 1, r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
     assert not out.exists() and not out.parent.exists()
+
+
+def test_unreadable_folder_is_refused(tmp_path, monkeypatch):
+    # os.walk leaves out a folder it cannot list, and everything below it; a corpus half missing is refused
+    for sub in ("open", "locked"):
+        (tmp_path / "in" / sub).mkdir(parents=True)
+        (tmp_path / "in" / sub / "a.txt").write_text("text\n")
+    scandir = os.scandir
+
+    def denied(path="."):
+        if os.path.basename(os.fspath(path)) == "locked":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+    monkeypatch.setattr(os, "scandir", denied)
+    with pytest.raises(DataPrepError, match=r"cannot read folder .*locked: Permission denied"):
+        list_files([tmp_path / "in"])

@@ -252,6 +252,28 @@ def test_sentencepiece_folder_follows_its_tokenizer_config(tmp_path):
             load_tokenizer(folder)
 
 
+def test_sentencepiece_bos_from_its_tokenizer_config(tmp_path):
+    # the config's bos_token, not the model's own BOS, starts each document: the one transformers adds
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from transformers import AutoTokenizer
+    folder = tmp_path / "sp"
+    folder.mkdir()
+    proto = pb.ModelProto.FromString(write_sentencepiece(folder / "tokenizer.model").read_bytes())
+    proto.pieces.add(piece="<|begin_of_text|>", score=0.0, type=pb.ModelProto.SentencePiece.CONTROL)
+    (folder / "tokenizer.model").write_bytes(proto.SerializeToString())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin_of_text|>", "eos_token": "</s>", "add_bos_token": True, "tokenizer_class": "LlamaTokenizer"}))
+    tok = load_tokenizer(folder)
+    reference = AutoTokenizer.from_pretrained(folder)
+    assert tok.bos_id == reference.bos_token_id == len(proto.pieces) - 1 != 1
+    assert reference("def f():")["input_ids"][0] == tok.bos_id
+    meta = prepare([write_corpus(tmp_path / "corpus")], tmp_path / "out", tokenizer=folder, num_proc=1)
+    assert meta["bos_id"] == tok.bos_id and sorted(decode_documents(tmp_path / "out", tok)) == sorted(TEXTS.values())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "</s>"}))
+    with pytest.raises(DataPrepError, match="names bos_token '<bos>', which"):
+        load_tokenizer(folder)
+
+
 def test_saved_truncation_and_padding_do_not_apply(tmp_path):
     # a tokenizer.json may carry a max_length and padding saved with it; documents are still
     # encoded whole and unpadded, as transformers does unless asked
