@@ -398,6 +398,11 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     if ckpt.get("data") != data_meta.get("data"):
         raise ValueError(f"the data is not the data {path} was trained on (its files differ); "
                          f"resume with the same data_dir contents or start a new out_dir")
+    if (not config.get("convert_only") and sharded_dir(path)
+            and (was := ckpt["config"].get("optimizer_in_bwd", False)) != config.get("optimizer_in_bwd", False)):
+        # one optimizer per parameter, or one for all: DCP maps neither layout onto the other
+        raise ValueError(f"{sharded_dir(path)} holds the optimizer state of optimizer_in_bwd={was}, which a sharded "
+                         f"checkpoint cannot hand to optimizer_in_bwd={not was}; resume with optimizer_in_bwd={was}")
     if not config.get("convert_only") and (missing := scales_without_state(ckpt, path)):
         d = sharded_dir(path)
         start = (f"convert it to one file with {TO_SINGLE_FILE.format(d)} and give init_from={d + '.pt'!r}" if d else

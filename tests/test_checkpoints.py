@@ -432,6 +432,24 @@ def test_resume_changes_the_schedule_only_when_asked(theirs, ours, asked, says):
     assert said.startswith(says) and bool(said) == bool(says)
 
 
+def test_sharded_resume_keeps_optimizer_in_bwd(tmp_path):
+    # a sharded checkpoint's optimizer state is laid out per optimizer_in_bwd: DCP cannot map one
+    # onto the other (it stopped with a traceback on every rank), so a switch is refused in one line
+    (tmp_path / "ckpt").mkdir()
+    for name in ("state.pt", ".metadata"):
+        (tmp_path / "ckpt" / name).write_bytes(b"")
+    config = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 10, "lr_decay_iters": 0, "max_iters": 500,
+              "optimizer_in_bwd": True}
+    ckpt = {"config": config, "script": "qat_train.py", "iter_num": 5}
+    with pytest.raises(ValueError, match=r"optimizer state of optimizer_in_bwd=True, which a sharded checkpoint cannot "
+                                         r"hand to optimizer_in_bwd=False; resume with optimizer_in_bwd=True$"):
+        check_resume(ckpt, {**config, "optimizer_in_bwd": False}, (), {}, str(tmp_path), "qat_train.py",
+                     asked={"optimizer_in_bwd"})
+    # a single file maps it: the switch is allowed there, when asked
+    assert check_resume(ckpt, {**config, "optimizer_in_bwd": False}, (), {}, "ckpt.pt", "qat_train.py",
+                        asked={"optimizer_in_bwd"}) == "optimizer_in_bwd True -> False"
+
+
 def test_a_resume_too_close_to_its_end_to_profile_is_refused():
     # the profiler counts the steps of this process, not of the run: resumed at step 495 of 500, a
     # run has 5 steps where the trace needs 10, and would write none without a word
