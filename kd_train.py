@@ -83,7 +83,7 @@ data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from data_prep.py
 teacher_init = "out/base/ckpt.pt"  # the teacher: a nanotune checkpoint or a Meta / HF directory
 init_from = "scratch"  # the student: 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint / directory
 eval_interval = 100  # steps between validation estimates
-eval_iters = 20  # batches per validation estimate; the final evaluation uses the whole split
+eval_iters = 20  # batches per process per validation estimate; the final evaluation uses the whole split
 log_interval = 10  # steps between log lines (the only steps that sync with the device)
 ckpt_interval = 500  # steps between checkpoints; one is always written at the end
 # each process writes its own shards of model and optimizer to out_dir/ckpt/ (torch.distributed.checkpoint)
