@@ -683,6 +683,48 @@ def restart_scales(m):
                 s.copy_(_max_scales(w, fq))
 
 
+@torch.no_grad()
+def gptq_(w, hessian, fq, damp=0.01, block=128):
+    """GPTQ (Frantar et al. 2022) of weight rows w (out, in) on the grid of the LearnedScaleFakeQuantizer
+    fq, whose scales for these rows it returns (out, in / group). The columns are rounded one by one,
+    each rounding's error, weighted by the inverse of the layer's input Hessian (sum of x x^T over
+    the calibration tokens), moved onto the columns not rounded yet; a group's scale is the usual
+    max-based one, of its weights as they are when the group is reached. w is left holding each
+    column as it was just before its rounding, so that it rounds, on those scales, to GPTQ's integers:
+    the start of a finetune that goes on from GPTQ's model. Rows are independent: FSDP's shards of a
+    weight (whole rows) are each done on their own rank, with the whole Hessian."""
+    qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[fq.config.dtype]
+    g = fq.config.granularity.group_size
+    block = max(1, block // g) * g  # a group never spans two blocks
+    W, H = w.to(hessian.device, torch.float32), hessian.float().clone()  # w may be offloaded to the host
+    dead = H.diagonal() == 0  # inputs that were always zero: their weights do nothing, and are set so
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    H.diagonal().add_(damp * H.diagonal().mean())
+    try:  # the upper Cholesky factor of H's inverse: row i holds what rounding column i feeds forward
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    except torch.linalg.LinAlgError:
+        raise ValueError(f"GPTQ: a layer's input Hessian ({H.shape[0]} inputs) is not positive definite even "
+                         f"with {damp:.0%} damping; calibrate on more tokens (gptq_tokens)") from None
+    scales = torch.empty(W.shape[0], W.shape[1] // g, dtype=torch.float32, device=W.device)
+    for b in range(0, W.shape[1], block):
+        Wb, err = W[:, b:b + block], torch.empty_like(W[:, b:b + block])  # Wb: a view, rounded in place
+        Hb = Hinv[b:b + block, b:b + block]
+        for i in range(Wb.shape[1]):
+            if i % g == 0:  # torchao's symmetric scale of the group as it is now
+                s = _qparams(Wb[:, i:i + g], qmin, qmax, fq.config.eps, symmetric=True)[0][:, 0]
+                s = s.to(fq.learned_scale.dtype).float()  # the scale as fq will hold it
+                scales[:, (b + i) // g] = s
+            col = Wb[:, i].clone()
+            q = (col * (1.0 / s)).round().clamp(qmin, qmax) * s  # as the fake quantizer rounds
+            err[:, i] = (col - q) / Hb[i, i]
+            Wb[:, i:] -= err[:, i:i + 1] * Hb[i:i + 1, i:]  # column i becomes q; the later ones take its error
+            Wb[:, i] = col  # kept unrounded: the value that rounds to q
+        W[:, b + block:] -= err @ Hinv[b:b + block, b + block:]
+    w.copy_(W)
+    return scales.to(fq.learned_scale.dtype)  # exact: each was rounded to that dtype when used
+
+
 # ---------------------------------------------------------------------------------------------
 # LoRA helpers
 

@@ -36,7 +36,7 @@ from torch.distributed._composable import checkpoint as activation_checkpoint
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
 
 # torchao's import logs notes about GPU-only kernels and a torch deprecation: not the user's concern
@@ -51,7 +51,8 @@ from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_di
                         source_generation, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
-                   initial_scales, learn_scales, merge_lora, peak_flops, restart_scales, weights_only)
+                   LearnedScaleFakeQuantizer, gptq_, initial_scales, learn_scales, merge_lora, peak_flops, restart_scales,
+                   weights_only)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -61,7 +62,7 @@ init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint 
 convert_only = False  # skip training: evaluate, convert and save the init_from model
 ptq_baseline = True  # when finetuning a checkpoint with a quantizer, first evaluate PTQ of its weights
 eval_interval = 100  # steps between validation estimates
-eval_iters = 20  # batches per validation estimate; the final evaluation uses the whole split
+eval_iters = 20  # batches per process per validation estimate; the final evaluation uses the whole split
 log_interval = 10  # steps between log lines (the only steps that sync with the device)
 ckpt_interval = 500  # steps between checkpoints; one is always written at the end
 # each process writes its own shards of model and optimizer to out_dir/ckpt/ (torch.distributed.checkpoint)
@@ -87,6 +88,9 @@ quant_skip = ()  # modules left in full precision, by path, e.g. ('output', 'lay
 # the scales plain QAT computes; the conversion then uses the learned ones
 range_learning = False
 range_lr_ratio = 1.0  # the learned scales' learning rate, as a multiple of the weights'
+# > 0: start from GPTQ's model (Frantar et al. 2022) instead of the checkpoint's weights as they are,
+# calibrated on this many train tokens; its scales are kept as learned ones (needs range_learning)
+gptq_tokens = 0
 # data and batch
 batch_size = 16  # micro-batch size per process
 block_size = 128  # tokens per sequence
@@ -196,6 +200,10 @@ if "ptq_baseline" in command_line_keys() and (quant_bits is None or init_from in
          "one (no quantizer, init_from 'scratch' or 'resume', or convert_only): drop it")
 if convert_only and (init_from == "scratch" or quant_bits is None):
     fail("convert_only=True needs trained weights (init_from) and a quantizer, e.g. --quantizer=8da4w")
+if gptq_tokens < 0 or gptq_tokens and (quant_bits is None or init_from == "scratch" or not range_learning
+                                        or fake_quant_after_n_steps):
+    fail(f"gptq_tokens={gptq_tokens} starts from GPTQ's rounding of the init_from checkpoint, whose scales only learned "
+         f"ones keep: it needs a quantizer, a checkpoint, range_learning=True and fake_quant_after_n_steps=0")
 
 resume_path = (sharded_dir(out_dir) or os.path.join(out_dir, "ckpt.pt")) if init_from == "resume" else init_from
 sharded_from = sharded_dir(resume_path) if init_from != "scratch" else None  # weights read shard by shard
@@ -284,6 +292,9 @@ if init_from == "resume":  # these decide which batches a step sees, or what the
         fail(str(e))
     if changes and master_process:
         print(f"note: the training settings change from the checkpoint's step: {changes}")
+    if gptq_tokens and ckpt["config"].get("gptq_tokens") != gptq_tokens:  # GPTQ is a finetune's start, not a resume's
+        fail(f"{resume_path} did not start from GPTQ over {gptq_tokens} tokens (gptq_tokens="
+             f"{ckpt['config'].get('gptq_tokens', 0)}), and a resume continues its weights as they are; drop gptq_tokens")
 # whether the loaded weights were trained with this very fake quantization (so converting them is QAT)
 same_quant = "config" in ckpt and all(ckpt["config"].get(k) == globals()[k] for k in quant_settings)
 ckpt_fake_quant = bool(ckpt.get("fake_quant")) and same_quant
@@ -379,6 +390,10 @@ def memmap(split, kind=""):
 
 n_targets = {s: len(memmap(s)) - 1 for s in ("train", "val")}  # every token but the first is a target
 n_windows = {s: n // block_size for s, n in n_targets.items()}  # whole windows, for training and estimates
+gptq_windows = math.ceil(gptq_tokens / block_size / world_size)  # per process
+if gptq_windows * world_size > n_windows["train"]:
+    fail(f"gptq_tokens={gptq_tokens} asks for {gptq_windows * world_size} windows of {block_size} tokens, more than the "
+         f"train split's {n_windows['train']}")
 global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step
 steps_per_epoch = n_windows["train"] // global_batch
 if steps_per_epoch == 0 and not convert_only:
@@ -774,6 +789,59 @@ if ptq_baseline and quant_bits is not None and init_from not in ("scratch", "res
     log({"iter": iter_num, **baseline})
     if master_process:
         print(f"start: val loss {baseline['init_fp_val_loss']:.4f} full precision, {baseline['init_ptq_val_loss']:.4f} after PTQ {quantizer}")
+
+
+@torch.no_grad()
+def gptq_start():
+    """Replaces each fake-quantized linear layer's weights and learned scales by GPTQ's (model.gptq_),
+    a block at a time in order, then the output layer: each layer's input Hessian is gathered over
+    the calibration windows (each rank runs its share; the sums are reduced) with the blocks before
+    it already rounded as GPTQ rounded them, and each rank rounds the rows of the weights it holds.
+    Every stage runs the whole model forward (FSDP's hooks stay as in training): L + 1 forwards of
+    gptq_tokens tokens, a few minutes' work next to a finetune's."""
+    windows = epoch_order(0)[:gptq_windows * world_size].view(world_size, gptq_windows)[rank]
+    batches = [get_batch("train", w) for w in windows.split(batch_size)]
+    layers = [mod for mod in model.modules() if isinstance(getattr(mod, "weight_fake_quantizer", None), LearnedScaleFakeQuantizer)]
+    stages = [[m for m in layers if any(m is x for x in block.modules())] for block in model.layers]
+    if model.output in layers and not model_args.tie_embeddings:  # tied, its weight is the embedding: rounded to nearest
+        stages.append([model.output])
+    set_fake_quant(model, False)  # full-precision activations, and weights until their own stage is done
+    bar = tqdm(total=len(stages) * len(batches), desc="gptq", dynamic_ncols=True, leave=False, disable=not master_process)
+    for stage in stages:
+        hessians = {m: None for m in stage}
+
+        def gather(m, args, out):
+            x = args[0].detach().flatten(0, -2).float()
+            hessians[m] = x.T @ x if hessians[m] is None else hessians[m].addmm_(x.T, x)
+        hooks = [m.register_forward_hook(gather) for m in stage]
+        with torch.compiler.set_stance("force_eager"):  # a compiled block would not call the hooks as written
+            for x, y, pos in batches:
+                model(x, y, reduction="sum", loss_chunk=loss_chunk, input_pos=pos)
+                bar.update(1)
+        for h in hooks:
+            h.remove()
+        for mod in model.modules():  # forward may leave parameters gathered (the root's always): rounded there, they would be lost
+            if isinstance(mod, FSDPModule):
+                mod.reshard()
+        for m in stage:
+            dist.all_reduce(hessians[m])
+            w, s = (t.to_local() if hasattr(t, "to_local") else t for t in (m.weight, m.weight_fake_quantizer.learned_scale))
+            if w.numel():  # a rank may hold no rows of a small layer
+                s.copy_(gptq_(w, hessians[m], m.weight_fake_quantizer))
+            m.weight_fake_quantizer.enabled = True  # the next stages see this layer rounded
+    bar.close()
+
+
+if gptq_tokens and init_from != "resume":
+    t_gptq = time.perf_counter()
+    gptq_start()
+    if master_process:
+        print(f"GPTQ: {gptq_tokens:,} calibration tokens, {time.perf_counter() - t_gptq:.0f} s")
+    if baseline:  # the PTQ a finetune from here has to beat
+        baseline["init_gptq_val_loss"] = convert_and_evaluate(gathered_state(), after_qat=True)[0]
+        log({"iter": iter_num, "init_gptq_val_loss": baseline["init_gptq_val_loss"]})
+        if master_process:
+            print(f"start: val loss {baseline['init_gptq_val_loss']:.4f} after GPTQ {quantizer}")
 set_fake_quant(model, fake_quant_on(iter_num))
 if master_process and quant_bits is not None and not convert_only:
     print(f"fake quant ({quantizer}, group {group_size}) {'on' if fake_quant_on(iter_num) else 'off until step ' + str(fake_quant_after_n_steps)}")
@@ -907,14 +975,15 @@ if quant_bits is not None:
     # QAT only if the weights were trained under this fake quantization: in this run's last
     # step, or (no step taken here) in the loaded checkpoint's
     qat_trained = fake_quant_on(iter_num - 1) if iter_num > start_iter else ckpt_fake_quant
+    gptq_only = gptq_tokens > 0 and init_from != "resume" and iter_num == start_iter  # GPTQ's model itself
     # make room first: rank 0 gathers the whole model (in the compute dtype) and converts it
     del optimizers, params, scales, groups
     state = gathered_state()
     del model
-    quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained)
+    quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained or gptq_only)
     del state
     summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss),
-                   method="qat" if qat_trained else "ptq", quantizer=quantizer, group_size=group_size, **baseline)
+                   method="gptq" if gptq_only else "qat" if qat_trained else "ptq", quantizer=quantizer, group_size=group_size, **baseline)
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
@@ -929,7 +998,10 @@ if master_process:
     rows = []
     if baseline:
         rows += [("start, full precision", baseline["init_fp_val_loss"]), (f"start, PTQ {quantizer}", baseline["init_ptq_val_loss"])]
+        if "init_gptq_val_loss" in baseline:
+            rows.append((f"start, GPTQ {quantizer}", baseline["init_gptq_val_loss"]))
     at = "loaded weights" if convert_only and init_from != "resume" else f"step {iter_num}"  # a finetune's step 0 is its start
+    at = "GPTQ's weights" if quant_bits is not None and summary["method"] == "gptq" else at  # not the loaded ones
     rows.append((f"{at}, full precision", fp_val_loss))
     if quant_bits is not None:
         rows.append((f"{at}, {summary['method'].upper()} {quantizer} g{group_size}", summary["quant_val_loss"]))
