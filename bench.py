@@ -358,6 +358,12 @@ def quality(opt):
             ptq = summary(run_once("qat_train.py", {**convert, "init_from": os.path.join(plain_dir, "ckpt.pt"), **q, "convert_only": True},
                                    os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}"), opt.nproc))
             r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"]}
+            if opt.gptq_tokens:  # the stronger PTQ a 4-bit QAT run has to beat: GPTQ of the same plain finetune
+                gptq = summary(run_once("qat_train.py", {**convert, "init_from": os.path.join(plain_dir, "ckpt.pt"), **q,
+                                                         "convert_only": True, "range_learning": True,
+                                                         "gptq_tokens": opt.gptq_tokens},
+                                        os.path.join(out, f"s{seed}_gptq{opt.gptq_tokens}_{s}{ft_name}{quant_name}"), opt.nproc))
+                r["gptq"] = gptq["quant_val_loss"]
             if "qat" in methods:
                 qat_dir = os.path.join(out, f"s{seed}_qat_{s}{ft_name}{quant_name}{qat_name}")
                 qat = quantized(run_once("qat_train.py", {**ft, **q, "seed": seed, **qat_set}, qat_dir, opt.nproc, quiet=False),
@@ -391,19 +397,20 @@ def quality(opt):
         return f"{100 * statistics.mean(xs):.0f}% ± {100 * (statistics.stdev(xs) if len(xs) > 1 else 0):.0f}" if xs else "-"
 
     results = {"options": vars(opt), "base_val_loss": teacher_loss, "schemes": {}, "kd": {}}
-    table = ["| scheme | ppl fp | ppl PTQ | PTQ degradation | ppl QAT | ppl QAD | QAT recovers | QAD recovers |",
-             "|---|---|---|---|---|---|---|---|"]
+    table = ["| scheme | ppl fp | ppl PTQ | PTQ degradation | ppl QAT | ppl QAD | QAT recovers | QAD recovers |"
+             + " ppl GPTQ | GPTQ recovers |" * bool(opt.gptq_tokens), "|---" * (8 + 2 * bool(opt.gptq_tokens)) + "|"]
     notes = []
     for s in schemes:
-        col = {k: [r.get(k) for r in runs[s]] for k in ("fp", "ptq", "qat", "qad")}
+        col = {k: [r.get(k) for r in runs[s]] for k in ("fp", "ptq", "qat", "qad", "gptq")}
         col = {k: v if None not in v else [] for k, v in col.items()}  # a method not run leaves its column empty
         deg = [p / f - 1 for p, f in zip(col["ptq"], col["fp"])]
         # recovery of X: the share of PTQ's perplexity loss that X wins back
         rec = {m: [(r["ptq"] - r[m]) / (r["ptq"] - r["fp"]) if r["ptq"] != r["fp"] else float("nan") for r in runs[s]]
-               for m in ("qat", "qad") if m in methods}
+               for m in ("qat", "qad", "gptq") if m in methods or m == "gptq" and opt.gptq_tokens}
         results["schemes"][s] = {"runs": runs[s], "ptq_degradation": deg, **{f"{m}_recovery": v for m, v in rec.items()}}
         table.append(f"| {s} g{opt.group_size}{quant_name} | {ms(col['fp'])} | {ms(col['ptq'])} | {pm(deg)} | {ms(col['qat'])} | "
-                     f"{ms(col['qad'])} | {pm(rec.get('qat'))} | {pm(rec.get('qad'))} |")
+                     f"{ms(col['qad'])} | {pm(rec.get('qat'))} | {pm(rec.get('qad'))} |"
+                     + f" {ms(col['gptq'])} | {pm(rec.get('gptq'))} |" * bool(opt.gptq_tokens))
         # the degradation is paired (PTQ of the same seed's model), so its own spread says whether it is real
         if len(deg) > 1 and statistics.mean(deg) <= 2 * statistics.stdev(deg):
             notes.append(f"- {s}: PTQ's degradation ({100 * statistics.mean(deg):.2f}%) is within twice its seed "
@@ -765,6 +772,9 @@ if __name__ == "__main__":
                    help="1: QAT and QAD learn the weight scales (range_learning; it helped at 2 bits and hurt QAT at 4)")
     p.add_argument("--qad_teacher", choices=("base", "plain"), default="base",
                    help="QAD's teacher: the base model, or the same seed's plain full-precision finetune")
+    p.add_argument("--gptq_tokens", type=int, default=0,
+                   help="quality: also score GPTQ of each plain finetune over this many train tokens (qat_train's gptq_tokens), "
+                        "the PTQ a 4-bit QAT run has to beat")
     p.add_argument("--methods", default="qat,qad", help="quality: the quantization-aware finetunes to run (qat, qad, or none)")
     p.add_argument("--ft_set", action="append", default=[], metavar="KEY=VALUE",
                    help="a setting of every finetune, the plain one included (which --qat_set / --qad_set then "
@@ -801,6 +811,8 @@ if __name__ == "__main__":
                             "kd_train_tokens", "ks"}}.get(opt.mode)
     if reads and (unread := [k for k in vars(opt) if k not in reads | {"mode"} and getattr(opt, k) != p.get_default(k)]):
         p.error(f"{opt.mode} does not read {', '.join('--' + k for k in unread)}")
+    if opt.gptq_tokens and opt.mode != "quality":
+        p.error(f"{opt.mode} does not read --gptq_tokens (a quality baseline)")
     opt.preset_is_torchtune = opt.preset == "torchtune"
     if opt.preset_is_torchtune:  # the shape torchtune's recipe was measured with
         opt.preset, opt.n_layer, opt.n_embd, opt.n_head, opt.n_kv_head = "tiny", 4, 256, 4, 4

@@ -77,6 +77,14 @@ def test_quality_report(tmp_path):
     bench("quality", "--data_dir", data, "--out_dir", str(out), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
           "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "qat", "--range_learning", "1")
     assert read_log(q / "s0_qat_8da2w_range_learning=True")[-1]["method"] == "qat"
+    # GPTQ of each plain finetune, the stronger PTQ, scored beside rounding to nearest
+    bench("quality", "--data_dir", data, "--out_dir", str(tmp_path / "gptq"), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
+          "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "none", "--gptq_tokens", "256")
+    g = report(tmp_path / "gptq", "quality")["schemes"]["8da2w"]
+    run = g["runs"][0]
+    assert read_log(tmp_path / "gptq" / "quality" / "s0_gptq256_8da2w")[-1]["method"] == "gptq"
+    assert math.isclose(g["gptq_recovery"][0], (run["ptq"] - run["gptq"]) / (run["ptq"] - run["fp"]), rel_tol=1e-9)
+    assert "| ppl GPTQ | GPTQ recovers |" in report(tmp_path / "gptq", "quality", "md")
     # a setting of every finetune reaches the plain one too, and its runs are named apart
     bench("quality", "--data_dir", data, "--out_dir", str(out), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
           "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "qat", "--ft_set", "beta2=0.999")
