@@ -15,9 +15,6 @@ activation_checkpointing = 1  # every block: 8B activations at 2 x 2048 tokens w
 quantizer = "8da4w"
 group_size = 32  # divides 4096 and 14336
 fake_quant_after_n_steps = 100  # let the finetune settle on the new data before weights are rounded
-# or start from GPTQ's model, which added 9 points to a small model's 4-bit QAT (README, Quality; not
-# yet measured at 8B): fake_quant_after_n_steps = 0, range_learning = True, range_lr_ratio = 0.03,
-# gptq_tokens = 131072
 batch_size = 2  # per GPU
 block_size = 2048
 gradient_accumulation_steps = 32  # over all 8 GPUs: 4 micro-batches each, 131k tokens a step
