@@ -670,15 +670,21 @@ def initial_scales(m, state):
             for path, mod in m.named_modules() if isinstance(getattr(mod, "weight_fake_quantizer", None), LearnedScaleFakeQuantizer)}
 
 
+def local_rows(mod):
+    """A prepared linear layer's weight and learned scales as this process holds them: FSDP shards
+    both by rows, alike, so a rank's rows of one match its rows of the other."""
+    return tuple(t.to_local() if hasattr(t, "to_local") else t for t in (mod.weight, mod.weight_fake_quantizer.learned_scale))
+
+
 @torch.no_grad()
 def restart_scales(m):
     """Sets every learned scale of m from its layer's weights as they are now: when fake quant
-    starts after full-precision steps, the weights have moved since the scales were set. On FSDP
-    shards too: a weight and its scales have the same rows, so each rank's shards match."""
+    starts after full-precision steps, the weights have moved since the scales were set; on FSDP
+    shards too, each rank its own rows (local_rows)."""
     for mod in m.modules():
         fq = getattr(mod, "weight_fake_quantizer", None)
         if isinstance(fq, LearnedScaleFakeQuantizer):
-            w, s = (t.to_local() if hasattr(t, "to_local") else t for t in (mod.weight, fq.learned_scale))
+            w, s = local_rows(mod)
             if w.numel():  # a rank may hold no rows of a small layer
                 s.copy_(_max_scales(w, fq))
 

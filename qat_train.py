@@ -51,8 +51,8 @@ from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_di
                         source_generation, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
-                   LearnedScaleFakeQuantizer, gptq_, initial_scales, learn_scales, merge_lora, peak_flops, restart_scales,
-                   weights_only)
+                   LearnedScaleFakeQuantizer, gptq_, initial_scales, learn_scales, local_rows, merge_lora, peak_flops,
+                   restart_scales, weights_only)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -825,7 +825,7 @@ def gptq_start():
                 mod.reshard()
         for m in stage:
             dist.all_reduce(hessians[m])
-            w, s = (t.to_local() if hasattr(t, "to_local") else t for t in (m.weight, m.weight_fake_quantizer.learned_scale))
+            w, s = local_rows(m)
             if w.numel():  # a rank may hold no rows of a small layer
                 s.copy_(gptq_(w, hessians[m], m.weight_fake_quantizer))
             m.weight_fake_quantizer.enabled = True  # the next stages see this layer rounded
