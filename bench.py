@@ -802,17 +802,24 @@ if __name__ == "__main__":
     p.add_argument("--kd_temperature", type=float, default=1.0)
     p.add_argument("--kd_train_tokens", type=int, default=2 ** 18, help="train split cut to this many tokens (0: whole)")
     opt = p.parse_args()
-    # what deploy and kd read: another option given to them would be ignored without a word (deploy
-    # measures 8da4w in float32 on this machine's CPU, kd one process)
-    shape = {"preset", "n_layer", "n_embd", "n_head", "n_kv_head", "data_dir", "out_dir", "batch_size", "block_size"}
-    reads = {"deploy": shape | {"base_iters", "group_size", "qat_dir", "new_tokens", "prompt_tokens", "eval_windows", "rounds"},
-             "kd": shape | {"device", "dtype", "base_ckpt", "base_iters", "base_lr", "seeds", "steps", "warmup", "rounds",
-                            "student_preset", "kd_iters", "kd_lr", "kd_ratio", "kd_divergence", "kd_temperature",
-                            "kd_train_tokens", "ks"}}.get(opt.mode)
-    if reads and (unread := [k for k in vars(opt) if k not in reads | {"mode"} and getattr(opt, k) != p.get_default(k)]):
+    # what each mode reads: another option given to it would be ignored without a word (deploy measures
+    # 8da4w in float32 on this machine's CPU, kd one process; quality takes its schemes, not --quantizer)
+    shape = {"preset", "n_layer", "n_embd", "n_head", "n_kv_head", "batch_size", "block_size", "out_dir"}
+    reads = {"speed": shape | {"data_dir", "device", "nproc", "group_size", "peak_flops", "dtypes", "compile", "quantizer",
+                               "steps", "warmup", "rounds"},
+             "memory": shape | {"nproc", "quantizer", "replicate_degree"},
+             "quality": shape | {"data_dir", "device", "nproc", "group_size", "dtype", "schemes", "seeds", "base_iters",
+                                 "base_ckpt", "base_lr", "ft_iters", "ft_lr", "qad_kd_ratio", "qad_kd_temperature",
+                                 "range_learning", "qad_teacher", "gptq_tokens", "methods", "ft_set", "quant_set", "qat_set",
+                                 "qad_set", "student_preset", "kd_iters", "kd_lr", "kd_ratio", "kd_divergence",
+                                 "kd_temperature"},
+             "deploy": shape | {"data_dir", "base_iters", "group_size", "qat_dir", "new_tokens", "prompt_tokens",
+                                "eval_windows", "rounds"},
+             "kd": shape | {"data_dir", "device", "dtype", "base_ckpt", "base_iters", "base_lr", "seeds", "steps", "warmup",
+                            "rounds", "student_preset", "kd_iters", "kd_lr", "kd_ratio", "kd_divergence", "kd_temperature",
+                            "kd_train_tokens", "ks"}}[opt.mode]
+    if unread := [k for k in vars(opt) if k not in reads | {"mode"} and getattr(opt, k) != p.get_default(k)]:
         p.error(f"{opt.mode} does not read {', '.join('--' + k for k in unread)}")
-    if opt.gptq_tokens and opt.mode != "quality":
-        p.error(f"{opt.mode} does not read --gptq_tokens (a quality baseline)")
     opt.preset_is_torchtune = opt.preset == "torchtune"
     if opt.preset_is_torchtune:  # the shape torchtune's recipe was measured with
         opt.preset, opt.n_layer, opt.n_embd, opt.n_head, opt.n_kv_head = "tiny", 4, 256, 4, 4

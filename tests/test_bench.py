@@ -199,3 +199,15 @@ def test_run_once_reruns_on_data_prepared_again(tmp_path, monkeypatch, capsys):
     assert "reused, though run by other code" in capsys.readouterr().out
     make_data(tmp_path / "data", val_tokens=1024, seed=5)  # the same path, other tokens
     assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out"))[0]["fp_val_loss"] == 2.0 and len(calls) == 2
+
+
+@pytest.mark.parametrize("args, says", [(["speed", "--schemes", "4w"], "speed does not read --schemes"),
+                                        (["quality", "--quantizer", "4w"], "quality does not read --quantizer"),
+                                        (["memory", "--dtype", "bfloat16", "--gptq_tokens", "8"],
+                                         "memory does not read --dtype, --gptq_tokens"),
+                                        (["kd", "--range_learning", "1"], "kd does not read --range_learning")])
+def test_options_a_mode_would_ignore_are_refused(args, says):
+    # each mode names what it reads: a setting meant for another (quality's schemes, speed's quantizer) is one line
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), *args], cwd=ROOT, env=script_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and says in r.stderr, r.stderr[-3000:]
