@@ -1417,7 +1417,7 @@ if quant_bits is not None:
     # QAD only if the student was trained under fake quant: in this run's last step, or (no step
     # taken here) in the resumed checkpoint's; else the same scheme is plain rounding (PTQ)
     qad_trained = fake_quant_on(iter_num - 1) if iter_num > start_iter else ckpt_fake_quant
-    result = [None]
+    result = [None, None]  # the converted model's loss; its export's, rounded again (below)
     if master_process:
         with torch.device("meta"):
             qmodel = Transformer(model_args)
@@ -1429,11 +1429,20 @@ if quant_bits is not None:
         qmodel.load_state_dict(state, assign=True)
         del state
         convert_on_device(qmodel.requires_grad_(False), qad_trained)
-        result = [evaluate(qmodel, full=True, alone=True)]
+        result[0] = evaluate(qmodel, full=True, alone=True)
+        if range_learning and export_format in ("hf", "meta") and qad_trained:
+            # the export holds the unquantized weights, which a tool quantizing them rounds on max-based
+            # scales, not on the learned ones: another model, scored so that it is never shipped unaware
+            with torch.device("meta"):
+                ptq_model = Transformer(model_args)
+            ptq_model.load_state_dict({k: v.to(ptdtype) for k, v in merged.items()}, assign=True)
+            convert_on_device(ptq_model.requires_grad_(False), False)
+            result[1] = evaluate(ptq_model, full=True, alone=True)
+            del ptq_model
     dist.broadcast_object_list(result, src=0, group=wait_group)
     quant_val_loss = result[0]
     summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss), method="qad" if qad_trained else "ptq",
-                   quantizer=quantizer, group_size=group_size)
+                   quantizer=quantizer, group_size=group_size, **{"export_ptq_val_loss": result[1]} if result[1] is not None else {})
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
@@ -1450,6 +1459,11 @@ if master_process:
         q = summary["quant_val_loss"]
         print(f"{summary['method'].upper()} {quantizer} g{group_size}: val loss {q:.4f}  ppl {math.exp(q):.2f}  "
               f"({100 * (math.exp(q) / math.exp(fp_val_loss) - 1):+.2f}% ppl)  -> {os.path.join(out_dir, 'quantized.pt')}")
+    if "export_ptq_val_loss" in summary:
+        q = summary["export_ptq_val_loss"]
+        print(f"export_{export_format}/ holds the unquantized weights; the scales learned for them are in quantized.pt alone, and "
+              f"a tool that quantizes the export again rounds on max-based ones: PTQ {quantizer} g{group_size} of it: val loss "
+              f"{q:.4f}  ppl {math.exp(q):.2f}")
     log_file.close()
     if wandb is not None:
         wandb.finish()

@@ -981,9 +981,13 @@ if quant_bits is not None:
     state = gathered_state()
     del model
     quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained or gptq_only)
-    del state
     summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss),
                    method="gptq" if gptq_only else "qat" if qat_trained else "ptq", quantizer=quantizer, group_size=group_size, **baseline)
+    if range_learning and export_format in ("hf", "meta") and (qat_trained or gptq_only):
+        # the export holds the unquantized weights, which a tool quantizing them rounds on max-based
+        # scales, not on the learned ones: another model, scored so that it is never shipped unaware
+        summary["export_ptq_val_loss"] = convert_and_evaluate(state, after_qat=False)[0]
+    del state
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
@@ -1005,11 +1009,16 @@ if master_process:
     rows.append((f"{at}, full precision", fp_val_loss))
     if quant_bits is not None:
         rows.append((f"{at}, {summary['method'].upper()} {quantizer} g{group_size}", summary["quant_val_loss"]))
+    if "export_ptq_val_loss" in summary:
+        rows.append((f"export_{export_format}, PTQ {quantizer} g{group_size}", summary["export_ptq_val_loss"]))
     print(f"\n{'whole validation split':<36} {'loss':>8} {'ppl':>9}")
     for name, loss in rows:
         print(f"{name:<36} {loss:>8.4f} {math.exp(loss):>9.3f}")
     if quant_bits is not None:
         print(f"converted model: {os.path.join(out_dir, 'quantized.pt')}")
+    if "export_ptq_val_loss" in summary:
+        print(f"note: export_{export_format}/ holds the unquantized weights; the scales learned for them are in quantized.pt "
+              f"alone, and a tool that quantizes the export again rounds on max-based ones (the PTQ row above)")
     log_file.close()
     if wandb is not None:
         wandb.finish()

@@ -514,7 +514,7 @@ def test_qad_learned_scales_resume_and_convert(setup, tmp_path):
     common = dict(BASE, data_dir=setup["data"], init_from=setup["teacher"], teacher_init=setup["teacher"],
                   quantizer="8da2w", range_learning=True, max_iters=4, learning_rate=1e-3, kd_ratio=0.5)
     straight, resumed, ratio = str(tmp_path / "straight"), str(tmp_path / "resumed"), str(tmp_path / "ratio")
-    run_in_one_process([("kd_train.py", dict(common, out_dir=straight)),
+    run_in_one_process([("kd_train.py", dict(common, out_dir=straight, export_format="hf")),
                         ("kd_train.py", dict(common, out_dir=resumed, max_iters=2, lr_decay_iters=4)),
                         ("kd_train.py", dict(common, out_dir=resumed, init_from="resume")),
                         ("kd_train.py", dict(common, out_dir=ratio, max_iters=1, warmup_iters=0, weight_decay=0.0,
@@ -530,6 +530,13 @@ def test_qad_learned_scales_resume_and_convert(setup, tmp_path):
     ckpt = torch.load(os.path.join(straight, "ckpt.pt"), weights_only=True)["model"]
     assert "layers.0.attention.wq.weight_fake_quantizer.learned_scale" in ckpt
     assert not any(k.endswith("learned_scale") for k in weights(os.path.join(straight, "model.pt")))
+    # the export holds the unquantized weights: rounded again on max-based scales, as a tool that quantizes
+    # it would, they are another model, scored beside the converted one
+    ptq = str(tmp_path / "ptq")
+    run("qat_train.py", batch_size=4, block_size=32, data_dir=setup["data"], out_dir=ptq, init_from=os.path.join(straight, "export_hf"),
+        convert_only=True, quantizer="8da2w", env=ENV)
+    assert a["export_ptq_val_loss"] == pytest.approx(read_log(ptq)[-1]["quant_val_loss"], rel=1e-6)
+    assert abs(a["export_ptq_val_loss"] - a["quant_val_loss"]) > 1e-4 and "export_ptq_val_loss" not in b
 
     # range_lr_ratio: AdamW's first step moves each scale by at most the learning rate times the ratio
     fake = Transformer(load_model(setup["teacher"]).args)

@@ -376,6 +376,20 @@ def test_out_dir_in_use_is_refused(train, data, tmp_path):
     assert max(losses(read_log(out))) == 8
 
 
+def test_export_with_learned_scales_is_scored_as_another_tool_rounds_it(train, data, tmp_path):
+    # an export holds the unquantized weights: a tool that quantizes it rounds on max-based scales, so
+    # with learned ones that is another model, whose loss the run reports beside the converted one's
+    out = train(**{**QAT, "quantizer": "8da2w"}, range_learning=True, export_format="meta")
+    s = summary(read_log(out))
+    ptq = tmp_path / "ptq"
+    run(SCRIPT, **{**CONVERT, "data_dir": data, "out_dir": ptq, "init_from": out / "export_meta", "convert_only": True,
+                   "quantizer": "8da2w", "group_size": 32})
+    assert s["method"] == "qat" and s["export_ptq_val_loss"] == pytest.approx(summary(read_log(ptq))["quant_val_loss"], rel=1e-6)
+    assert abs(s["export_ptq_val_loss"] - s["quant_val_loss"]) > 1e-4  # the learned scales made another model
+    # without learned scales the export rounds back to the converted model itself: nothing to add
+    assert "export_ptq_val_loss" not in summary(read_log(train(**QAT, export_format="meta")))
+
+
 def test_earlier_runs_outputs_are_removed_not_left_beside_new_weights(train, data, tmp_path):
     # a QAT run's quantized.pt and export, then a plain finetune from that export in the same out_dir:
     # the quantized model is not this run's and goes; the export is this run's input and stays
