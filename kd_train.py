@@ -1419,6 +1419,16 @@ if quant_bits is not None:
     qad_trained = fake_quant_on(iter_num - 1) if iter_num > start_iter else ckpt_fake_quant
     result = [None, None]  # the converted model's loss; its export's, rounded again (below)
     if master_process:
+        if range_learning and export_format in ("hf", "meta") and qad_trained:
+            # the export holds the unquantized weights, which a tool quantizing them rounds on max-based
+            # scales, not on the learned ones: another model, scored so that it is never shipped unaware
+            # (first, and freed at once: one converted model at a time)
+            with torch.device("meta"):
+                ptq_model = Transformer(model_args)
+            ptq_model.load_state_dict({k: v.to(ptdtype) for k, v in merged.items()}, assign=True)
+            convert_on_device(ptq_model.requires_grad_(False), False)
+            result[1] = evaluate(ptq_model, full=True, alone=True)
+            del ptq_model
         with torch.device("meta"):
             qmodel = Transformer(model_args)
             if qad_trained:  # the fake quantizers the conversion reads; learned scales are loaded into them
@@ -1430,15 +1440,6 @@ if quant_bits is not None:
         del state
         convert_on_device(qmodel.requires_grad_(False), qad_trained)
         result[0] = evaluate(qmodel, full=True, alone=True)
-        if range_learning and export_format in ("hf", "meta") and qad_trained:
-            # the export holds the unquantized weights, which a tool quantizing them rounds on max-based
-            # scales, not on the learned ones: another model, scored so that it is never shipped unaware
-            with torch.device("meta"):
-                ptq_model = Transformer(model_args)
-            ptq_model.load_state_dict({k: v.to(ptdtype) for k, v in merged.items()}, assign=True)
-            convert_on_device(ptq_model.requires_grad_(False), False)
-            result[1] = evaluate(ptq_model, full=True, alone=True)
-            del ptq_model
     dist.broadcast_object_list(result, src=0, group=wait_group)
     quant_val_loss = result[0]
     summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss), method="qad" if qad_trained else "ptq",

@@ -980,14 +980,17 @@ if quant_bits is not None:
     del optimizers, params, scales, groups
     state = gathered_state()
     del model
-    quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained or gptq_only)
-    summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss),
-                   method="gptq" if gptq_only else "qat" if qat_trained else "ptq", quantizer=quantizer, group_size=group_size, **baseline)
+    export_ptq = {}
     if range_learning and export_format in ("hf", "meta") and (qat_trained or gptq_only):
         # the export holds the unquantized weights, which a tool quantizing them rounds on max-based
         # scales, not on the learned ones: another model, scored so that it is never shipped unaware
-        summary["export_ptq_val_loss"] = convert_and_evaluate(state, after_qat=False)[0]
+        # (first, and freed at once: one converted model at a time)
+        export_ptq["export_ptq_val_loss"] = convert_and_evaluate(state, after_qat=False)[0]
+    quant_val_loss, qmodel = convert_and_evaluate(state, after_qat=qat_trained or gptq_only)
     del state
+    summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss),
+                   method="gptq" if gptq_only else "qat" if qat_trained else "ptq", quantizer=quantizer, group_size=group_size, **baseline,
+                   **export_ptq)
     if master_process:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,

@@ -205,9 +205,18 @@ def test_run_once_reruns_on_data_prepared_again(tmp_path, monkeypatch, capsys):
                                         (["quality", "--quantizer", "4w"], "quality does not read --quantizer"),
                                         (["memory", "--dtype", "bfloat16", "--gptq_tokens", "8"],
                                          "memory does not read --dtype, --gptq_tokens"),
-                                        (["kd", "--range_learning", "1"], "kd does not read --range_learning")])
+                                        (["kd", "--range_learning", "1"], "kd does not read --range_learning"),
+                                        (["speed", "--preset", "torchtune", "--batch_size", "8"],
+                                         "--preset torchtune sets the shape torchtune was measured with; drop --batch_size")])
 def test_options_a_mode_would_ignore_are_refused(args, says):
     # each mode names what it reads: a setting meant for another (quality's schemes, speed's quantizer) is one line
     r = subprocess.run([sys.executable, str(ROOT / "bench.py"), *args], cwd=ROOT, env=script_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and says in r.stderr, r.stderr[-3000:]
+
+
+def test_options_a_mode_reads_are_taken(tmp_path):
+    # the other side of the list above: memory reads its own options (and needs no data)
+    bench("memory", "--out_dir", str(tmp_path), "--nproc", "2", "--replicate_degree", "2", "--quantizer", "8da2w",
+          "--preset", "toy", "--batch_size", "2", "--block_size", "64")
+    assert "8da2w" in report(tmp_path, "memory_toy_2", "md")
