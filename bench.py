@@ -821,10 +821,10 @@ if __name__ == "__main__":
     if unread := [k for k in vars(opt) if k not in reads | {"mode"} and getattr(opt, k) != p.get_default(k)]:
         p.error(f"{opt.mode} does not read {', '.join('--' + k for k in unread)}")
     opt.preset_is_torchtune = opt.preset == "torchtune"
-    if opt.preset_is_torchtune and (fixed := [k for k in ("n_layer", "n_embd", "n_head", "n_kv_head", "batch_size", "block_size")
-                                              if getattr(opt, k) != p.get_default(k)]):
-        p.error(f"--preset torchtune sets the shape torchtune was measured with; drop {', '.join('--' + k for k in fixed)}")
     if opt.preset_is_torchtune:  # the shape torchtune's recipe was measured with
+        if fixed := [k for k in ("n_layer", "n_embd", "n_head", "n_kv_head", "batch_size", "block_size")
+                     if getattr(opt, k) != p.get_default(k)]:
+            p.error(f"--preset torchtune sets the shape torchtune was measured with; drop {', '.join('--' + k for k in fixed)}")
         opt.preset, opt.n_layer, opt.n_embd, opt.n_head, opt.n_kv_head = "tiny", 4, 256, 4, 4
         opt.batch_size, opt.block_size = 4, 256
     if opt.base_ckpt and shape_args(opt):

@@ -1086,6 +1086,23 @@ def evaluate(m, full=False, it=0, alone=False):
     return total / max(count, 1)
 
 
+def convert_and_evaluate(state, after_qad):
+    """On rank 0: a plain model built from `state` (with the fake quantizers, and any learned scales,
+    the conversion reads after QAD), converted to real low-bit weights and evaluated on every window
+    of the validation split. Returns (that loss, the model)."""
+    with torch.device("meta"):
+        qm = Transformer(model_args)
+        if after_qad:
+            quantize_model(qm, "prepare")
+            if range_learning:
+                learn_scales(qm)
+    if not (after_qad and range_learning):
+        state = weights_only(state)
+    qm.load_state_dict({k: v.to(ptdtype) for k, v in state.items()}, assign=True)
+    convert_on_device(qm.requires_grad_(False), after_qad)
+    return evaluate(qm, full=True, alone=True), qm
+
+
 def full_state_dict(m):
     # a collective: every rank calls it; only rank 0 ends up with the tensors, on the CPU
     return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -1423,23 +1440,9 @@ if quant_bits is not None:
             # the export holds the unquantized weights, which a tool quantizing them rounds on max-based
             # scales, not on the learned ones: another model, scored so that it is never shipped unaware
             # (first, and freed at once: one converted model at a time)
-            with torch.device("meta"):
-                ptq_model = Transformer(model_args)
-            ptq_model.load_state_dict({k: v.to(ptdtype) for k, v in merged.items()}, assign=True)
-            convert_on_device(ptq_model.requires_grad_(False), False)
-            result[1] = evaluate(ptq_model, full=True, alone=True)
-            del ptq_model
-        with torch.device("meta"):
-            qmodel = Transformer(model_args)
-            if qad_trained:  # the fake quantizers the conversion reads; learned scales are loaded into them
-                quantize_model(qmodel, "prepare")
-                if range_learning:
-                    learn_scales(qmodel)
-        state = {k: v.to(ptdtype) for k, v in (state if qad_trained and range_learning else weights_only(state)).items()}
-        qmodel.load_state_dict(state, assign=True)
+            result[1] = convert_and_evaluate(state, after_qad=False)[0]
+        result[0], qmodel = convert_and_evaluate(state, after_qad=qad_trained)
         del state
-        convert_on_device(qmodel.requires_grad_(False), qad_trained)
-        result[0] = evaluate(qmodel, full=True, alone=True)
     dist.broadcast_object_list(result, src=0, group=wait_group)
     quant_val_loss = result[0]
     summary.update(quant_val_loss=quant_val_loss, quant_ppl=math.exp(quant_val_loss), method="qad" if qad_trained else "ptq",
