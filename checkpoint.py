@@ -807,6 +807,8 @@ def _atomic_dir(out_dir):
         yield tmp
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
         for root, _, files in os.walk(tmp):  # on disk before the rename: a power cut never leaves it holding empty files
+            for name in files:  # so would safetensors' files, which it writes 0o600 whatever the umask
+                os.chmod(os.path.join(root, name), 0o644)
             for name in files + ["."]:
                 _fsync(os.path.join(root, name))
         if os.path.exists(out_dir):  # rename cannot replace a non-empty directory
@@ -900,7 +902,9 @@ def _hf_tokenizer_config(tokenizer_model):
     else:
         import sentencepiece as spm
         sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
-        config = {"bos_token": sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None, "eos_token": sp.id_to_piece(tok.eos_id)}
+        # the BOS and EOS the data holds: a special_tokens_map.json beside the model may name others than its own
+        bos = tok.bos_id if tok.bos_id is not None else sp.bos_id()
+        config = {"bos_token": sp.id_to_piece(bos) if bos >= 0 else None, "eos_token": sp.id_to_piece(tok.eos_id)}
     return {**config, "add_bos_token": tok.bos_id is not None, "add_eos_token": False}
 
 

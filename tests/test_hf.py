@@ -336,7 +336,7 @@ def test_rope_frequencies_of_real_llama3_configs(factor):
     assert (ours < plain).sum() > 0 and (ours == plain).sum() > 0  # some stretched, some kept
 
 
-@pytest.mark.parametrize("kind", ["sentencepiece", "sentencepiece-dummy-prefix", "tiktoken"])
+@pytest.mark.parametrize("kind", ["sentencepiece", "sentencepiece-dummy-prefix", "sentencepiece-map-bos", "tiktoken"])
 def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_path, kind, monkeypatch):
     # a tokenizer.model alone (data_prep's SentencePiece model, Llama 2's, Meta's Llama 3 tiktoken
     # file): the export adds the tokenizer_config.json without which AutoTokenizer drops the BOS
@@ -353,12 +353,25 @@ def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_pa
         write_tiktoken(src)
     elif kind == "sentencepiece":
         write_sentencepiece(src)
-    else:  # as Llama 2's: a space put in front of every text
+    elif kind == "sentencepiece-dummy-prefix":  # as Llama 2's: a space put in front of every text
         spm.SentencePieceTrainer.train(sentence_iterator=iter("".join(TEXTS.values()).splitlines()), model_writer=open(src, "wb"),
                                        vocab_size=400, model_type="bpe", byte_fallback=True, add_dummy_prefix=True)
+    else:  # a special_tokens_map.json beside the model names a BOS other than the model's own <s>
+        from sentencepiece import sentencepiece_model_pb2 as pb
+        proto = pb.ModelProto.FromString(write_sentencepiece(src).read_bytes())
+        proto.pieces.add(piece="<|begin|>", score=0.0, type=pb.ModelProto.SentencePiece.USER_DEFINED)
+        src.write_bytes(proto.SerializeToString())
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|begin|>"}))
     ours = load_tokenizer(src)
+    files = [str(p) for p in (src, tmp_path / "special_tokens_map.json") if p.exists()]
+    assert len(files) == 1 + (kind == "sentencepiece-map-bos") and (kind != "sentencepiece-map-bos" or ours.bos_id == len(proto.pieces) - 1)
     args, sd = load_checkpoint(str(save_hf(hf_model("llama2"), tmp_path / "src", "5.x")))
-    export_hf(sd, args, tmp_path / "out", tokenizer_files=[str(src)], bos_id=ours.bos_id, eos_id=ours.eos_id)
+    export_hf(sd, args, tmp_path / "out", tokenizer_files=files, bos_id=ours.bos_id, eos_id=ours.eos_id)
+    if kind == "sentencepiece-map-bos":  # the config the export adds agrees with the map: which of the two files wins
+        # differs across transformers versions (data_prep refuses them disagreeing)
+        assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["bos_token"] == "<|begin|>"
+    # readable by other users (a serving container), whatever mode safetensors writes its file with
+    assert all(os.stat(tmp_path / "out" / n).st_mode & 0o777 == 0o644 for n in os.listdir(tmp_path / "out"))
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     texts = [t for t in TEXTS.values() if "<|" not in t] + ["hello world", " a leading space", "x\n\ny"]
     for text in texts:  # (specials written in a text are text to data_prep, special tokens to transformers)
