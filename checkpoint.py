@@ -807,7 +807,7 @@ def _atomic_dir(out_dir):
         yield tmp
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the export from other users
         for root, _, files in os.walk(tmp):  # on disk before the rename: a power cut never leaves it holding empty files
-            for name in files:  # so would safetensors' files, which it writes 0o600 whatever the umask
+            for name in files:  # readable by others too: safetensors writes its files 0o600 whatever the umask
                 os.chmod(os.path.join(root, name), 0o644)
             for name in files + ["."]:
                 _fsync(os.path.join(root, name))
