@@ -324,6 +324,7 @@ def quality(opt):
     learned = ["range_learning=True"] * bool(opt.range_learning)  # named, so that its runs never land on the others
     qat_set, qat_name = settings(learned + opt.qat_set)
     qad_set, qad_name = settings(learned + opt.qad_set + [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base"))
+    stage = "_after_plain" * (opt.start == "plain")  # a stage after the plain finetune: its runs named apart
     methods = opt.methods.split(",")
     if unknown := set(methods) - {"qat", "qad", "none"}:
         sys.exit(f"bench: --methods {opt.methods!r} names {sorted(unknown)}; use qat, qad, both (qat,qad) or none")
@@ -353,11 +354,25 @@ def quality(opt):
         plain_dir = os.path.join(out, f"s{seed}_plain{ft_name}")
         plain = summary(run_once("qat_train.py", {**ft, "quantizer": "none", "seed": seed}, plain_dir, opt.nproc, quiet=False))
         teacher = {"base": base_ckpt, "plain": os.path.join(plain_dir, "ckpt.pt")}[opt.qad_teacher]
+        start = {"base": base_ckpt, "plain": os.path.join(plain_dir, "ckpt.pt")}[opt.start]
+        # a stage's batches: another seed's, as the same seed's would be the plain finetune's again (a second
+        # epoch over them, which a model of this size overfits)
+        run_seed = seed + 1000 * bool(stage)
+        if stage:  # the same steps again in full precision: what a stage wins by training longer, not by quantizing
+            more_dir = os.path.join(out, f"s{seed}_plain{ft_name}{stage}")
+            more = summary(run_once("qat_train.py", {**ft, "quantizer": "none", "seed": run_seed, "init_from": start}, more_dir,
+                                    opt.nproc, quiet=False))
         for s in schemes:
             q = {"quantizer": s, "group_size": opt.group_size, **quant_set}
             ptq = summary(run_once("qat_train.py", {**convert, "init_from": os.path.join(plain_dir, "ckpt.pt"), **q, "convert_only": True},
                                    os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}"), opt.nproc))
             r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"]}
+            if stage:
+                r["fp_more"] = more["fp_val_loss"]
+                r["ptq_more"] = summary(run_once("qat_train.py", {**convert, "init_from": os.path.join(more_dir, "ckpt.pt"), **q,
+                                                                  "convert_only": True},
+                                                 os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}{stage}"),
+                                                 opt.nproc))["quant_val_loss"]
             if opt.gptq_tokens:  # the stronger PTQ a 4-bit QAT run has to beat: GPTQ of the same plain finetune
                 gptq = summary(run_once("qat_train.py", {**convert, "init_from": os.path.join(plain_dir, "ckpt.pt"), **q,
                                                          "convert_only": True, "range_learning": True,
@@ -365,14 +380,16 @@ def quality(opt):
                                         os.path.join(out, f"s{seed}_gptq{opt.gptq_tokens}_{s}{ft_name}{quant_name}"), opt.nproc))
                 r["gptq"] = gptq["quant_val_loss"]
             if "qat" in methods:
-                qat_dir = os.path.join(out, f"s{seed}_qat_{s}{ft_name}{quant_name}{qat_name}")
-                qat = quantized(run_once("qat_train.py", {**ft, **q, "seed": seed, **qat_set}, qat_dir, opt.nproc, quiet=False),
+                qat_dir = os.path.join(out, f"s{seed}_qat_{s}{ft_name}{quant_name}{qat_name}{stage}")
+                qat = quantized(run_once("qat_train.py", {**ft, **q, "seed": run_seed, **qat_set, "init_from": start}, qat_dir,
+                                         opt.nproc, quiet=False),
                                 "qat", qat_dir)
                 r.update(qat=qat["quant_val_loss"], fp_qat=qat["fp_val_loss"])
             if "qad" in methods:
-                qad_dir = os.path.join(out, f"s{seed}_qad_{s}{ft_name}{quant_name}{qad_name}")
-                qad = quantized(run_once("kd_train.py", {**ft, **q, "seed": seed, "kd_ratio": opt.qad_kd_ratio, "kd_temperature":
-                                                         opt.qad_kd_temperature, **qad_set, "teacher_init": teacher},
+                qad_dir = os.path.join(out, f"s{seed}_qad_{s}{ft_name}{quant_name}{qad_name}{stage}")
+                qad = quantized(run_once("kd_train.py", {**ft, **q, "seed": run_seed, "kd_ratio": opt.qad_kd_ratio, "kd_temperature":
+                                                         opt.qad_kd_temperature, **qad_set, "teacher_init": teacher,
+                                                         "init_from": start},
                                          qad_dir, opt.nproc, quiet=False), "qad", qad_dir)
                 r.update(qad=qad["quant_val_loss"], fp_qad=qad["fp_val_loss"])
             runs[s].append({k: math.exp(v) for k, v in r.items()})
@@ -408,6 +425,13 @@ def quality(opt):
         rec = {m: [(r["ptq"] - r[m]) / (r["ptq"] - r["fp"]) if r["ptq"] != r["fp"] else float("nan") for r in runs[s]]
                for m in ("qat", "qad", "gptq") if m in methods or m == "gptq" and opt.gptq_tokens}
         results["schemes"][s] = {"runs": runs[s], "ptq_degradation": deg, **{f"{m}_recovery": v for m, v in rec.items()}}
+        if stage:  # against the plain finetune trained as many steps as the stage's total
+            same = {m: [(r["ptq_more"] - r[m]) / (r["ptq_more"] - r["fp_more"]) for r in runs[s]] for m in ("qat", "qad") if m in methods}
+            results["schemes"][s].update({f"{m}_recovery_same_steps": v for m, v in same.items()})
+            notes.append(f"- {s}: the plain finetune trained {opt.ft_iters} more steps in full precision: ppl "
+                         f"{ms([r['fp_more'] for r in runs[s]])}, PTQ of it {ms([r['ptq_more'] for r in runs[s]])}; "
+                         f"against it (the same steps as the stage) "
+                         + ", ".join(f"{m.upper()} recovers {pm(v)}" for m, v in same.items()))
         table.append(f"| {s} g{opt.group_size}{quant_name} | {ms(col['fp'])} | {ms(col['ptq'])} | {pm(deg)} | {ms(col['qat'])} | "
                      f"{ms(col['qad'])} | {pm(rec.get('qat'))} | {pm(rec.get('qad'))} |"
                      + f" {ms(col['gptq'])} | {pm(rec.get('gptq'))} |" * bool(opt.gptq_tokens))
@@ -429,14 +453,14 @@ def quality(opt):
                   f"| {opt.student_preset} | {ms(ce)} | {ms(kd)} | {teacher_loss:.3f} | {pm(closed)} |"]
     origin = opt.base_ckpt or f"{opt.preset} trained {opt.base_iters} steps"
     report = (f"Quality: base {origin} on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
-              f"(lr {float(ft['learning_rate']):g} to {float(ft['min_lr']):g}, range_learning {bool(opt.range_learning)}), QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
+              f"(lr {float(ft['learning_rate']):g} to {float(ft['min_lr']):g}, range_learning {bool(opt.range_learning)}), QAT and QAD from the {opt.start}{' (a stage after it)' * (opt.start == 'plain')}, QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
               f"at T={qad_set.get('kd_temperature', opt.qad_kd_temperature)}, teacher {opt.qad_teacher}; "
               f"settings: every finetune {ft_set or '-'}, quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
               f"student {opt.student_preset} {opt.kd_iters} steps, "
               f"kd_ratio {opt.kd_ratio}, {opt.kd_divergence} at T={opt.kd_temperature}; batch {opt.batch_size} x {opt.block_size}, {opt.dtype}, {opt.seeds} seed(s); "
               f"whole-val-split perplexities, mean ± std over seeds; {time.perf_counter() - t_start:.0f} s\n\n"
               + "\n".join(table) + "\n\n" + "\n".join(notes) + "\n")
-    write(opt, "quality" + ft_name + quant_name + qat_name + qad_name, report, results)
+    write(opt, "quality" + ft_name + quant_name + qat_name + qad_name + stage, report, results)
 
 
 # -----------------------------------------------------------------------------
@@ -772,6 +796,10 @@ if __name__ == "__main__":
                    help="1: QAT and QAD learn the weight scales (range_learning; it helped at 2 bits and hurt QAT at 4)")
     p.add_argument("--qad_teacher", choices=("base", "plain"), default="base",
                    help="QAD's teacher: the base model, or the same seed's plain full-precision finetune")
+    p.add_argument("--start", choices=("base", "plain"), default="base",
+                   help="where QAT and QAD start: the base, as the plain finetune does (the same steps from the same model), "
+                        "or the same seed's plain finetune (a quantization stage of --ft_iters more steps after it, on the batches "
+                        "of seed + 1000, beside the same steps of it in full precision)")
     p.add_argument("--gptq_tokens", type=int, default=0,
                    help="quality: also score GPTQ of each plain finetune over this many train tokens (qat_train's gptq_tokens), "
                         "the PTQ a 4-bit QAT run has to beat")
@@ -810,7 +838,7 @@ if __name__ == "__main__":
              "memory": shape | {"nproc", "quantizer", "replicate_degree"},
              "quality": shape | {"data_dir", "device", "nproc", "group_size", "dtype", "schemes", "seeds", "base_iters",
                                  "base_ckpt", "base_lr", "ft_iters", "ft_lr", "qad_kd_ratio", "qad_kd_temperature",
-                                 "range_learning", "qad_teacher", "gptq_tokens", "methods", "ft_set", "quant_set", "qat_set",
+                                 "range_learning", "qad_teacher", "start", "gptq_tokens", "methods", "ft_set", "quant_set", "qat_set",
                                  "qad_set", "student_preset", "kd_iters", "kd_lr", "kd_ratio", "kd_divergence",
                                  "kd_temperature"},
              "deploy": shape | {"data_dir", "base_iters", "group_size", "qat_dir", "new_tokens", "prompt_tokens",

@@ -93,6 +93,23 @@ def test_quality_report(tmp_path):
         assert torch.load(q / run_dir / "ckpt.pt", weights_only=True)["config"]["beta2"] == 0.999
     assert (q / "s0_ptq_8da2w_beta2=0.999" / "log.jsonl").exists()
     assert torch.load(q / "s0_plain" / "ckpt.pt", weights_only=True)["config"]["beta2"] == 0.95
+    # a quantization stage after the plain finetune: QAT, QAD and the same steps in full precision start
+    # from its weights, on another seed's batches, and the methods are scored against both references
+    stage = tmp_path / "stage"
+    bench("quality", "--data_dir", data, "--out_dir", str(stage), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
+          "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--start", "plain",
+          "--qad_teacher", "plain")
+    plain_ckpt = str(stage / "quality" / "s0_plain" / "ckpt.pt")
+    for run_dir in ("s0_plain_after_plain", "s0_qat_8da2w_after_plain", "s0_qad_8da2w_teacher_init=plain_after_plain"):
+        config = torch.load(stage / "quality" / run_dir / "ckpt.pt", weights_only=True)["config"]
+        assert config["init_from"] == plain_ckpt and config["seed"] == 1000, run_dir
+    g = report(stage, "quality_teacher_init=plain_after_plain")["schemes"]["8da2w"]
+    run = g["runs"][0]
+    assert math.isclose(g["qat_recovery"][0], (run["ptq"] - run["qat"]) / (run["ptq"] - run["fp"]), rel_tol=1e-9)
+    for m in ("qat", "qad"):
+        assert math.isclose(g[f"{m}_recovery_same_steps"][0],
+                            (run["ptq_more"] - run[m]) / (run["ptq_more"] - run["fp_more"]), rel_tol=1e-9)
+    assert "trained 2 more steps in full precision" in report(stage, "quality_teacher_init=plain_after_plain", "md")
     # a setting that leaves fake quant off at the end makes PTQ of the run, which is no QAT figure;
     # a teacher named in --qad_set would not be the one bench gives
     for setting, says in (("--qat_set=fake_quant_after_n_steps=5", "converted as 'ptq', not 'qat'"),
