@@ -395,7 +395,10 @@ def check_resume(ckpt, config, same, data_meta, path, script, asked=None):
     if changed := {k: ckpt["config"][k] for k in same if k in ckpt["config"] and ckpt["config"][k] != config[k]}:
         raise ValueError(f"{path} was trained with {', '.join(f'{k}={v!r}' for k, v in changed.items())}; "
                          f"resume with the same settings or start a new out_dir")
-    if ckpt.get("data") != data_meta.get("data"):
+    if ckpt.get("data") is None:  # hand-made data, before nanotune recorded the sizes of its files
+        raise ValueError(f"{path} records nothing of the data it was trained on, so nothing shows that this run's data "
+                         f"is that data; start from its weights instead: init_from={path!r}, with another out_dir")
+    if ckpt["data"] != data_meta["data"]:
         raise ValueError(f"the data is not the data {path} was trained on (its files differ); "
                          f"resume with the same data_dir contents or start a new out_dir")
     if (not config.get("convert_only") and sharded_dir(path)

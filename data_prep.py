@@ -217,6 +217,10 @@ def load_data_meta(data_dir, block_size):
             raise DataPrepError(f"{p} is {'missing' if size is None else f'{size:,} bytes'} where {data_dir}/meta.json "
                                 f"says {d['bytes']:,} bytes: the data was changed or copied in part; run data_prep.py "
                                 f"--out_dir {data_dir} again")
+    if not meta.get("data"):  # data made by hand records no fingerprints: its files' sizes stand for them in
+        # what a resume, a top-k store and the other nodes compare (a file rewritten at its size passes, as hashes would not)
+        meta["data"] = {name: {"bytes": os.path.getsize(os.path.join(data_dir, name))}
+                        for name in sorted(os.listdir(data_dir)) if name.endswith(".bin")}
     if meta.get("packed") and block_size != meta["block_size"]:  # SFT samples packed whole into rows
         raise DataPrepError(f"{data_dir} holds samples packed into rows of {meta['block_size']} tokens; "
                             f"set block_size={meta['block_size']}")
@@ -249,7 +253,8 @@ def load_topk_store(store_dir, data_meta, block_size, temperature):
     problems = [
         (not meta["complete"], f"is incomplete ({meta['windows_done']} of {meta['n_windows']} windows); finish it by "
                                f"rerunning its topk_write=True command"),
-        (meta["data"] != data_meta.get("data"), f"was written from other data (its files differ); {write}"),
+        # (a store from before hand-made data's sizes were recorded has none: its windows are counted below)
+        (meta["data"] is not None and meta["data"] != data_meta["data"], f"was written from other data (its files differ); {write}"),
         (tok_diff, f"was written with another tokenizer than the data ({tok_diff}); {write}"),
         (meta["vocab_size"] != data_meta["vocab_size"],
          f"has a vocabulary of {meta['vocab_size']} tokens, the data {data_meta['vocab_size']}; {write}"),

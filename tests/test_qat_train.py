@@ -469,6 +469,23 @@ def test_resume_refuses_other_data(train, data, tmp_path):
     other = make_data(tmp_path / "other", seed=1)
     r = run(SCRIPT, check=False, **{**BASE, "data_dir": other, "out_dir": out, "init_from": "resume", "max_iters": 8})
     assert r.returncode == 2 and "not the data" in r.stderr, r.stderr[-2000:]
+    # data made by hand (no file fingerprints in its meta.json) is held to its files' sizes: a resume
+    # on other hand-made data is refused too, and a checkpoint that records no data at all (one trained
+    # on such data before the sizes were kept) resumes on nothing
+    by_hand = {}
+    for name, tokens in (("hand", 8192), ("hand_other", 8192 + 512)):
+        by_hand[name] = make_data(tmp_path / name, train_tokens=tokens)
+        meta = json.loads((tmp_path / name / "meta.json").read_text())
+        (tmp_path / name / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "data"}))
+    run(SCRIPT, **{**BASE, "data_dir": by_hand["hand"], "out_dir": tmp_path / "hand_run", "max_iters": 2})
+    r = run(SCRIPT, check=False, **{**BASE, "data_dir": by_hand["hand_other"], "out_dir": tmp_path / "hand_run",
+                                    "init_from": "resume", "max_iters": 4})
+    assert r.returncode == 2 and "not the data" in r.stderr, r.stderr[-2000:]
+    ckpt = torch.load(tmp_path / "hand_run" / "ckpt.pt", weights_only=False)
+    torch.save({**ckpt, "data": None}, tmp_path / "hand_run" / "ckpt.pt")
+    r = run(SCRIPT, check=False, **{**BASE, "data_dir": by_hand["hand"], "out_dir": tmp_path / "hand_run",
+                                    "init_from": "resume", "max_iters": 4})
+    assert r.returncode == 2 and "records nothing of the data it was trained on" in r.stderr, r.stderr[-2000:]
     # and a checkpoint trained on data of another tokenizer does not finetune on this one
     other_tok = make_data(tmp_path / "other_tok", tokenizer_id="synthetic-1")
     r = run(SCRIPT, check=False, **{**FINETUNE, "data_dir": other_tok, "out_dir": tmp_path / "ft",
