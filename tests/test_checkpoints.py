@@ -405,6 +405,9 @@ def test_set_aside_checkpoint_keeps_this_runs_input(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.prev", "ckpt.pt"]  # nothing moved
 
 
+DATA = {"data": {"train.bin": {"bytes": 1024}}}  # what a checkpoint and the data's meta.json record of the data
+
+
 @pytest.mark.parametrize("theirs, ours, asked, says", [
     # the decay's steps are lr_decay_iters where either run sets it: max_iters alone does not change them
     ({"lr_decay_iters": 1000}, {"max_iters": 800}, {"max_iters"}, "refused: lr_decay_iters=1000, and this run has the default (lr_decay_iters=0)"),
@@ -425,7 +428,7 @@ def test_resume_changes_the_schedule_only_when_asked(theirs, ours, asked, says):
     base = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 10, "lr_decay_iters": 0, "max_iters": 500,
             "weight_decay": 0.1, "beta2": 0.95, "range_lr_ratio": 1.0, "dtype": "float32"}
     try:
-        said = check_resume({"config": {**base, **theirs}, "script": "qat_train.py"}, {**base, **ours}, (), {}, "ckpt.pt",
+        said = check_resume({"config": {**base, **theirs}, "script": "qat_train.py", **DATA}, {**base, **ours}, (), DATA, "ckpt.pt",
                             "qat_train.py", asked=asked)
     except ValueError as e:
         said = f"refused: {str(e).removeprefix('ckpt.pt was trained with ')}"
@@ -440,13 +443,13 @@ def test_sharded_resume_keeps_optimizer_in_bwd(tmp_path):
         (tmp_path / "ckpt" / name).write_bytes(b"")
     config = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 10, "lr_decay_iters": 0, "max_iters": 500,
               "optimizer_in_bwd": True}
-    ckpt = {"config": config, "script": "qat_train.py", "iter_num": 5}
+    ckpt = {"config": config, "script": "qat_train.py", "iter_num": 5, **DATA}
     with pytest.raises(ValueError, match=r"optimizer state of optimizer_in_bwd=True, which a sharded checkpoint cannot "
                                          r"hand to optimizer_in_bwd=False; resume with optimizer_in_bwd=True$"):
-        check_resume(ckpt, {**config, "optimizer_in_bwd": False}, (), {}, str(tmp_path), "qat_train.py",
+        check_resume(ckpt, {**config, "optimizer_in_bwd": False}, (), DATA, str(tmp_path), "qat_train.py",
                      asked={"optimizer_in_bwd"})
     # a single file maps it: the switch is allowed there, when asked
-    assert check_resume(ckpt, {**config, "optimizer_in_bwd": False}, (), {}, "ckpt.pt", "qat_train.py",
+    assert check_resume(ckpt, {**config, "optimizer_in_bwd": False}, (), DATA, "ckpt.pt", "qat_train.py",
                         asked={"optimizer_in_bwd"}) == "optimizer_in_bwd True -> False"
 
 
@@ -455,12 +458,12 @@ def test_a_resume_too_close_to_its_end_to_profile_is_refused():
     # run has 5 steps where the trace needs 10, and would write none without a word
     config = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 10, "lr_decay_iters": 0, "max_iters": 500,
               "profile": True, "profile_wait": 5, "profile_warmup": 2, "profile_active": 3}
-    ckpt = {"config": config, "script": "qat_train.py", "iter_num": 495}
+    ckpt = {"config": config, "script": "qat_train.py", "iter_num": 495, **DATA}
     with pytest.raises(ValueError, match=r"records steps 502 to 504 of a run resumed at step 495 .* past "
                                          r"max_iters=500: no trace would be written"):
-        check_resume(ckpt, config, (), {}, "ckpt.pt", "qat_train.py", asked=set())
-    assert check_resume({**ckpt, "iter_num": 490}, config, (), {}, "ckpt.pt", "qat_train.py", asked=set()) == ""
-    assert check_resume(ckpt, {**config, "profile": False}, (), {}, "ckpt.pt", "qat_train.py", asked=set()) == ""
+        check_resume(ckpt, config, (), DATA, "ckpt.pt", "qat_train.py", asked=set())
+    assert check_resume({**ckpt, "iter_num": 490}, config, (), DATA, "ckpt.pt", "qat_train.py", asked=set()) == ""
+    assert check_resume(ckpt, {**config, "profile": False}, (), DATA, "ckpt.pt", "qat_train.py", asked=set()) == ""
 
 
 def test_stop_ids(tmp_path):
