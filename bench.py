@@ -353,8 +353,8 @@ def quality(opt):
         print(f"seed {seed}")
         plain_dir = os.path.join(out, f"s{seed}_plain{ft_name}")
         plain = summary(run_once("qat_train.py", {**ft, "quantizer": "none", "seed": seed}, plain_dir, opt.nproc, quiet=False))
-        teacher = {"base": base_ckpt, "plain": os.path.join(plain_dir, "ckpt.pt")}[opt.qad_teacher]
-        start = {"base": base_ckpt, "plain": os.path.join(plain_dir, "ckpt.pt")}[opt.start]
+        models = {"base": base_ckpt, "plain": os.path.join(plain_dir, "ckpt.pt")}
+        teacher, start = models[opt.qad_teacher], models[opt.start]
         # a stage's batches: another seed's, as the same seed's would be the plain finetune's again (a second
         # epoch over them, which a model of this size overfits)
         run_seed = seed + 1000 * bool(stage)
@@ -364,7 +364,7 @@ def quality(opt):
                                     opt.nproc, quiet=False))
         for s in schemes:
             q = {"quantizer": s, "group_size": opt.group_size, **quant_set}
-            ptq = summary(run_once("qat_train.py", {**convert, "init_from": os.path.join(plain_dir, "ckpt.pt"), **q, "convert_only": True},
+            ptq = summary(run_once("qat_train.py", {**convert, "init_from": models["plain"], **q, "convert_only": True},
                                    os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}"), opt.nproc))
             r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"]}
             if stage:
@@ -374,7 +374,7 @@ def quality(opt):
                                                  os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}{stage}"),
                                                  opt.nproc))["quant_val_loss"]
             if opt.gptq_tokens:  # the stronger PTQ a 4-bit QAT run has to beat: GPTQ of the same plain finetune
-                gptq = summary(run_once("qat_train.py", {**convert, "init_from": os.path.join(plain_dir, "ckpt.pt"), **q,
+                gptq = summary(run_once("qat_train.py", {**convert, "init_from": models["plain"], **q,
                                                          "convert_only": True, "range_learning": True,
                                                          "gptq_tokens": opt.gptq_tokens},
                                         os.path.join(out, f"s{seed}_gptq{opt.gptq_tokens}_{s}{ft_name}{quant_name}"), opt.nproc))
