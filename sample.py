@@ -22,7 +22,7 @@ logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 import torchao  # noqa: F401  (registers the quantized tensor types quantized.pt holds)
 
-from checkpoint import load_checkpoint, source_stop_ids, stop_ids
+from checkpoint import load_checkpoint, source_stop_ids, stop_ids, tokenizer_of
 from data_prep import load_tokenizer, tokenizer_mismatch
 from model import Transformer, merge_lora
 
@@ -66,9 +66,8 @@ if os.path.isfile(ckpt_file):  # training checkpoints record the fingerprint of 
     recorded = ckpt.get("tokenizer") if isinstance(ckpt, dict) else None
     source_stops = source_stop_ids(init_from, ckpt) if isinstance(ckpt, dict) else []
     del ckpt
-else:  # an HF or Meta directory: its own tokenizer, if it has one
-    has_own = any(os.path.isfile(os.path.join(init_from, n)) for n in ("tokenizer.json", "tokenizer.model"))
-    recorded = load_tokenizer(init_from).fingerprint() if tokenizer and has_own else None
+else:  # an HF or Meta directory: the tokenizer its nanotune.json records, or its own tokenizer file
+    recorded = tokenizer_of(init_from, None, tok.kind)
     source_stops = source_stop_ids(init_from, None)
 # generation stops at the EOS, and where the source model says it stops too (an Instruct model's end of turn)
 stops = stop_ids({"eos_id": tok.eos_id, "tokenizer": {"kind": tok.kind}, "vocab_size": tok.vocab_size}, source_stops)
@@ -105,6 +104,9 @@ quantized = any(type(p).__module__.startswith("torchao") for p in model.paramete
 if tok.vocab_size > args.vocab_size:
     raise SystemExit(f"error: the tokenizer has {tok.vocab_size} tokens but {init_from} only {args.vocab_size}; "
                      f"it belongs to another model")
+if args.vocab_size - tok.vocab_size >= 1024:  # rows past the tokenizer's are padding, never this many
+    raise SystemExit(f"error: {init_from} has {args.vocab_size} vocabulary rows but the tokenizer only {tok.vocab_size}; "
+                     f"it belongs to another model")
 
 if export_pte:
     from checkpoint import export_executorch, pte_summary
@@ -124,6 +126,8 @@ if tok.specials and (found := tok.specials.search(start)):  # a chat template's 
 ids = ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(start)  # documents were trained from BOS
 if not ids:
     raise SystemExit("error: --start is empty and the tokenizer has no BOS to start from; give a prompt")
+if len(ids) > args.max_seq_len:  # generate would read its last max_seq_len tokens alone, BOS and all dropped
+    raise SystemExit(f"error: the prompt is {len(ids)} tokens, longer than {init_from}'s context of {args.max_seq_len}; shorten --start")
 x = torch.tensor([ids], dtype=torch.long, device=device)
 print(f"{init_from}: {'quantized' if quantized else 'full precision'}, {sum(p.numel() for p in model.parameters()):,} parameters, "
       f"computing in {', '.join(sorted({str(p.dtype).removeprefix('torch.') for p in model.parameters()}))}")
@@ -144,5 +148,6 @@ for _ in range(num_samples):
     y, dt = timed_generate(max_new_tokens)
     n_new = y.shape[1] - x.shape[1]
     print(tok.decode(y[0, int(tok.bos_id is not None):].tolist()))
-    rate = f", {(n_new - 1) / max(dt - t_first, 1e-9):.1f} tokens/s after the first (prefill excluded)" if n_new > 1 else ""
+    rate = ("" if n_new < 2 else f", {(n_new - 1) / (dt - t_first):.1f} tokens/s after the first (prefill excluded)"
+            if dt > t_first else ", too few to time after the first")  # a run shorter than its warm first token
     print(f"---------------  {n_new} tokens in {dt:.1f} s{rate}")

@@ -7,6 +7,7 @@ where a model and data meet."""
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -210,11 +211,16 @@ def test_kd_holds_teacher_and_student_to_one_tokenizer(llama32, tmp_path):
 def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):
     hf_dir, data = llama32
     out = tmp_path / "out"
-    run("qat_train.py", init_from=str(hf_dir), data_dir=str(data), out_dir=str(out), **{**TRAIN, "max_iters": 1})
+    run("qat_train.py", init_from=str(hf_dir), data_dir=str(data), out_dir=str(out), export_format="hf",
+        **{**TRAIN, "max_iters": 1})
     # the tokenizer beside the checkpoint by default; another one is refused in one line
     r = run("sample.py", init_from=str(out / "ckpt.pt"), start="def f(x):", num_samples=1, max_new_tokens=5,
             temperature=0.0)
-    assert "tokens/s" in r.stdout and "computing in float32" in r.stdout
+    assert re.search(r"tokens in [0-9.]+ s(, [0-9.]+ tokens/s after the first|, too few to time)", r.stdout), r.stdout
+    assert "computing in float32" in r.stdout
+    # a prompt longer than the context would be read by its last max_seq_len tokens alone: refused
+    r = run("sample.py", check=False, init_from=str(out / "ckpt.pt"), start="def f(x): " * 100, max_new_tokens=2)
+    assert r.returncode != 0 and "longer than" in r.stderr and "context of 128" in r.stderr, r.stderr[-2000:]
     assert "warning" not in r.stderr
     # a special token's text in the prompt is plain text, as in the data, and said to be
     r = run("sample.py", init_from=str(out / "ckpt.pt"), start="<s>def f(x):", num_samples=1, max_new_tokens=2)
@@ -241,3 +247,18 @@ def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):
     r = run("sample.py", check=False, init_from=str(out / "ckpt.pt"), tokenizer=str(other), max_new_tokens=5)
     lines = [l for l in r.stderr.splitlines() if l.startswith("error")]
     assert r.returncode != 0 and len(lines) == 1 and "not the one" in lines[0], r.stderr[-2000:]
+    # an export's weights copied without its tokenizer: the one its nanotune.json records is the one it takes
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors", "generation_config.json", "nanotune.json"):
+        shutil.copy(out / "export_hf" / f, bare / f)
+    r = run("sample.py", check=False, init_from=str(bare), tokenizer=str(other), max_new_tokens=2)
+    assert r.returncode != 0 and "not the one" in r.stderr, r.stderr[-2000:]
+    # weights alone, as downloaded, with a tokenizer far smaller than their vocabulary: another model's
+    big = tmp_path / "big"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=64)).save_pretrained(big)
+    r = run("sample.py", check=False, init_from=str(big), tokenizer=str(other), max_new_tokens=2)
+    assert r.returncode != 0 and "2048 vocabulary rows but the tokenizer only 340" in r.stderr, r.stderr[-2000:]
