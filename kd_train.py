@@ -378,7 +378,7 @@ if init_from == "resume":
     source_stops, generation = source_stop_ids(resume_path, ckpt), source_generation(resume_path, ckpt)
     try:  # these decide which batches a step sees, what is trained, or what the weights were trained for (the
         # teacher by its bytes, below, not its path, which may differ between nodes; quant_skip as normalized)
-        quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip) if quant_bits else ()
+        quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip, quantize_embedding) if quant_bits else ()
         changes = check_resume(ckpt, config, ("seed", "batch_size", "gradient_accumulation_steps", "block_size", "preset",
                                               "n_layer", "n_head", "n_kv_head", "n_embd", "lora_rank", "lora_alpha",
                                               "lora_dropout", "lora_targets", *quant_settings, "fake_quant_after_n_steps",
@@ -485,7 +485,7 @@ if topk_write:
              f"finish it, or give another teacher_topk_dir")
     store_done = store_meta is not None and store_meta["complete"]  # nothing to write: it stops once the processes agree
 try:
-    quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip) if quant_bits else ()
+    quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip, quantize_embedding) if quant_bits else ()
 except ValueError as e:
     fail(str(e))
 

@@ -501,9 +501,10 @@ def peak_flops(device, dtype):
 # input that several linears read) makes a QAT step cost less over plain training;
 # tests/test_speed_numerics.py holds it to torchao's output, bit for bit.
 
-def check_quantizable(args, group_size, quant_skip):
+def check_quantizable(args, group_size, quant_skip, quantize_embedding=False):
     """quant_skip's module paths normalized ('layers.0.' means 'layers.0'), once group_size is
-    known to divide the layer widths and every path to name a module of the model. Raises ValueError."""
+    known to divide the layer widths and every path to name a module of the model, none of them
+    one quantize_embedding asks to quantize. Raises ValueError."""
     # the linears' input widths: dim, the MLP's hidden width, and wo's (n_heads * head_dim, not dim
     # where head_dim is given)
     widths = (("dim", args.dim), ("hidden", args.hidden_dim), ("heads", args.n_heads * args.head_dim))
@@ -515,6 +516,8 @@ def check_quantizable(args, group_size, quant_skip):
     quant_skip = tuple(s.rstrip(".") for s in quant_skip)
     if unknown := [s for s in quant_skip if s not in paths]:
         raise ValueError(f"quant_skip names {unknown}, which are not modules of the model; use paths such as 'output' or 'layers.0'")
+    if quantize_embedding and "tok_embeddings" in quant_skip:
+        raise ValueError("quant_skip names 'tok_embeddings', which quantize_embedding=True asks to quantize: drop one of them")
     return quant_skip
 
 

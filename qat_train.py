@@ -277,7 +277,7 @@ if model_args.vocab_size - data_meta["vocab_size"] >= 1024:  # rows past the tok
 if block_size > model_args.max_seq_len:
     fail(f"block_size={block_size} exceeds the model's max_seq_len={model_args.max_seq_len}")
 try:
-    quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip) if quant_bits else ()
+    quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip, quantize_embedding) if quant_bits else ()
 except ValueError as e:
     fail(str(e))
 quant_settings = ("quantizer", "group_size", "quantize_embedding", "quant_skip", "range_learning")

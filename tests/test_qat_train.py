@@ -906,6 +906,8 @@ def test_errors(train, data, tmp_path):
         "convert_only without quantizer": (dict(convert_only=True), {}, ["convert_only"]),
         "shape with a checkpoint": (dict(init_from=str(train() / "ckpt.pt"), n_layer=3), {}, ["n_layer", "init_from"]),
         "quant_skip prefix": (dict(quantizer="8da4w", quant_skip=("layers.1", "lm_head")), {}, ["['lm_head']"]),
+        "quant_skip of the embedding asked to quantize": (dict(quantizer="8da4w", quantize_embedding=True, quant_skip=("tok_embeddings",)),
+                                                          {}, ["quant_skip names 'tok_embeddings'", "quantize_embedding=True"]),
         "zero batch": (dict(batch_size=0), {}, ["batch_size=0", "positive"]),
         "zero grad_clip": (dict(grad_clip=0.0), {}, ["grad_clip=0.0", "positive"]),  # would zero every gradient
         "zero group_size": (dict(quantizer="8da4w", group_size=0), {}, ["group_size=0", "positive"]),
