@@ -45,6 +45,11 @@ from configurator import configure
 _, overridden = configure(globals())
 if "pte_max_seq_len" in overridden and not export_pte:
     raise SystemExit("error: pte_max_seq_len sizes the cache of the --export_pte program; give --export_pte=PATH, or drop it")
+if export_pte and (unread := [k for k in ("start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed")
+                                if k in overridden]):
+    raise SystemExit(f"error: --export_pte writes a program and samples nothing: {', '.join(unread)} not read; drop them")
+if temperature == 0 and (unread := [k for k in ("top_k", "seed") if k in overridden]):
+    raise SystemExit(f"error: temperature=0 is greedy and draws nothing: {', '.join(unread)} not read; drop them")
 if dtype not in ("float32", "bfloat16"):
     raise SystemExit(f"error: dtype={dtype!r} is not supported; use 'float32' or 'bfloat16'")
 if device != "cpu" and not (device.split(":")[0] == "cuda" and torch.cuda.is_available()):

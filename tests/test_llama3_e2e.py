@@ -218,6 +218,13 @@ def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):
             temperature=0.0)
     assert re.search(r"tokens in [0-9.]+ s(, [0-9.]+ tokens/s after the first|, too few to time)", r.stdout), r.stdout
     assert "computing in float32" in r.stdout
+    # settings the run would not read, and a negative temperature (configurator.py's check), which would draw
+    # the least likely tokens
+    for bad, said in ((dict(temperature=0.0, top_k=5), "temperature=0 is greedy and draws nothing: top_k not read"),
+                      (dict(temperature=-1.0), "temperature=-1.0 must be a number >= 0"),
+                      (dict(export_pte=str(tmp_path / "m.pte"), max_new_tokens=3), "samples nothing: max_new_tokens not read")):
+        r = run("sample.py", check=False, init_from=str(out / "ckpt.pt"), **bad)
+        assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]
     # a prompt longer than the context would be read by its last max_seq_len tokens alone: refused
     r = run("sample.py", check=False, init_from=str(out / "ckpt.pt"), start="def f(x): " * 100, max_new_tokens=2)
     assert r.returncode != 0 and "longer than" in r.stderr and "context of 128" in r.stderr, r.stderr[-2000:]
