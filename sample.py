@@ -78,7 +78,7 @@ else:  # an HF or Meta directory: the tokenizer its nanotune.json records, or it
 stops = stop_ids({"eos_id": tok.eos_id, "tokenizer": {"kind": tok.kind}, "vocab_size": tok.vocab_size}, source_stops)
 if recorded and (diff := tokenizer_mismatch(recorded, tok.fingerprint())):
     raise SystemExit(f"error: tokenizer {tokenizer or ckpt_dir} is not the one {init_from} was trained with ({diff}); "
-                     f"leave --tokenizer out to use the one beside the checkpoint")
+                     f"give the one it was trained with (leave --tokenizer out for the one beside the checkpoint, if any)")
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 try:
     args, state = load_checkpoint(init_from)
