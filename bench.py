@@ -349,6 +349,11 @@ def quality(opt):
     schemes = opt.schemes.split(",")
     runs = {s: [] for s in schemes}  # per scheme, one dict of perplexities per seed
     kd_runs = []  # per seed, the student's val loss trained with CE alone and with KD
+
+    def rounded(ckpt, q, run_dir, **extra):  # a checkpoint converted without training: PTQ, or GPTQ with extra
+        return summary(run_once("qat_train.py", {**convert, "init_from": ckpt, **q, "convert_only": True, **extra}, run_dir,
+                                opt.nproc))["quant_val_loss"]
+
     for seed in range(opt.seeds):
         print(f"seed {seed}")
         plain_dir = os.path.join(out, f"s{seed}_plain{ft_name}")
@@ -364,21 +369,15 @@ def quality(opt):
                                     opt.nproc, quiet=False))
         for s in schemes:
             q = {"quantizer": s, "group_size": opt.group_size, **quant_set}
-            ptq = summary(run_once("qat_train.py", {**convert, "init_from": models["plain"], **q, "convert_only": True},
-                                   os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}"), opt.nproc))
-            r = {"fp": plain["fp_val_loss"], "ptq": ptq["quant_val_loss"]}
+            r = {"fp": plain["fp_val_loss"],
+                 "ptq": rounded(models["plain"], q, os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}"))}
             if stage:
                 r["fp_more"] = more["fp_val_loss"]
-                r["ptq_more"] = summary(run_once("qat_train.py", {**convert, "init_from": os.path.join(more_dir, "ckpt.pt"), **q,
-                                                                  "convert_only": True},
-                                                 os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}{stage}"),
-                                                 opt.nproc))["quant_val_loss"]
+                r["ptq_more"] = rounded(os.path.join(more_dir, "ckpt.pt"), q,
+                                        os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}{stage}"))
             if opt.gptq_tokens:  # the stronger PTQ a 4-bit QAT run has to beat: GPTQ of the same plain finetune
-                gptq = summary(run_once("qat_train.py", {**convert, "init_from": models["plain"], **q,
-                                                         "convert_only": True, "range_learning": True,
-                                                         "gptq_tokens": opt.gptq_tokens},
-                                        os.path.join(out, f"s{seed}_gptq{opt.gptq_tokens}_{s}{ft_name}{quant_name}"), opt.nproc))
-                r["gptq"] = gptq["quant_val_loss"]
+                r["gptq"] = rounded(models["plain"], q, os.path.join(out, f"s{seed}_gptq{opt.gptq_tokens}_{s}{ft_name}{quant_name}"),
+                                    range_learning=True, gptq_tokens=opt.gptq_tokens)
             if "qat" in methods:
                 qat_dir = os.path.join(out, f"s{seed}_qat_{s}{ft_name}{quant_name}{qat_name}{stage}")
                 qat = quantized(run_once("qat_train.py", {**ft, **q, "seed": run_seed, **qat_set, "init_from": start}, qat_dir,
