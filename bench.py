@@ -7,7 +7,8 @@ Speed and memory (a couple of minutes on a CPU, about one on a GPU):
 $ python bench.py speed                                   # the tiny preset, float32 and bfloat16
 $ python bench.py speed --nproc 2                         # under torchrun: per-device and total
 $ python bench.py speed --preset toy --batch_size 4 --block_size 256 --n_layer 4 --n_embd 256 --nproc 2 --compile 0
-$ python bench.py speed --device cuda --preset tinyllama-1.1b --batch_size 8 --block_size 2048
+$ python bench.py speed --device cuda --preset llama3.2-1b --vocab_size 128256 --batch_size 4 --block_size 2048 --dtypes bfloat16 --compile 1 --steps_of plain,qat
+$ bash .ci/gpu                                            # README's GPU figures (three such runs)
 
 Quality (about 20 minutes on a 2-core CPU with the defaults; larger presets for GPUs):
 $ python bench.py quality
@@ -31,7 +32,9 @@ Speed: every variant (plain step, QAT step, KD step, QAD step; eager and compile
 runs for a few steps with a log line per step; the median step after warmup gives ms/step and
 tokens/s. Variants are interleaved in rounds so that a busy moment on a shared machine hits them
 alike; ratios are to the plain step of the same dtype and compile mode. MFU is the scripts' own
-(median of the timed steps' log lines): FLOPs per token x tokens/s / model.peak_flops.
+(median of the timed steps' log lines): FLOPs per token x tokens/s / model.peak_flops. Compiled
+runs report dynamo's graph breaks and recompilations (TORCH_LOGS); every run, the weight matrices
+it left as they started (a step that skips some is no figure of a training step).
 
 Quality: from one base model trained from scratch, the same finetuning steps (a) without QAT,
 (b) with QAT, (c) with quantization-aware self-distillation (QAD); then PTQ of (a), conversion
@@ -75,8 +78,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TORCHTUNE_QAT_TOKENS_PER_SEC_PER_RANK = {(2, "float32"): 2022, (2, "bfloat16"): 2842}
 
 
-def run(script, args, out_dir, nproc=1, quiet=True):
-    """Runs a training script to completion and returns its log.jsonl records."""
+def run(script, args, out_dir, nproc=1, quiet=True, env=None):
+    """Runs a training script to completion and returns its log.jsonl records; what it printed is
+    kept in out_dir/output.txt. env: variables set for it beside this process's."""
     os.makedirs(out_dir, exist_ok=True)
     log_path = os.path.join(out_dir, "log.jsonl")
     if os.path.exists(log_path):
@@ -84,7 +88,9 @@ def run(script, args, out_dir, nproc=1, quiet=True):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = launcher + [os.path.join(HERE, script), f"--out_dir={out_dir}"] + [f"--{k}={v}" for k, v in args.items()]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    with open(os.path.join(out_dir, "output.txt"), "w") as f:
+        f.write(proc.stdout)
     if proc.returncode:
         sys.exit(f"bench: {' '.join(cmd)} failed:\n{proc.stdout[-3000:]}")
     with open(log_path) as f:
@@ -189,6 +195,21 @@ def short_val_copy(data_dir, out, n_tokens):
     return out
 
 
+def random_tokens(out, vocab_size, val_tokens):
+    """Data of random token ids below vocab_size, as hand-made data is laid out (no tokenizer files):
+    enough train tokens for a speed run and val_tokens of val. A step's time does not depend on the
+    text, its vocabulary does: the real presets' output layers, e.g. Llama 3's 128256 rows."""
+    os.makedirs(out, exist_ok=True)
+    dtype = np.uint16 if vocab_size <= 2 ** 16 else np.uint32
+    rng = np.random.default_rng(0)
+    for name, n in (("train.bin", max(val_tokens, 2 ** 20)), ("val.bin", val_tokens)):
+        rng.integers(vocab_size, size=n, dtype=dtype).tofile(os.path.join(out, name))
+    meta = {"vocab_size": vocab_size, "dtype": np.dtype(dtype).name, "eos_id": None, "bos_id": None, "tokenizer": None}
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return out
+
+
 # -----------------------------------------------------------------------------
 def speed(opt):
     out = os.path.join(opt.out_dir, "speed")
@@ -200,7 +221,11 @@ def speed(opt):
             libc.mallopt(-3, 1 << 30)
             libc.mallopt(-1, (1 << 31) - 1)
     shape = shape_args(opt)
-    data_dir = short_val_copy(opt.data_dir, os.path.join(out, "data"), opt.batch_size * opt.nproc * (opt.block_size + 1))
+    val_tokens = opt.batch_size * opt.nproc * (opt.block_size + 1)
+    if opt.vocab_size:
+        data_dir = random_tokens(os.path.join(out, f"data_{opt.vocab_size}"), opt.vocab_size, val_tokens)
+    else:
+        data_dir = short_val_copy(opt.data_dir, os.path.join(out, "data"), val_tokens)
     common = dict(data_dir=data_dir, preset=opt.preset, batch_size=opt.batch_size, block_size=opt.block_size,
                   gradient_accumulation_steps=opt.nproc, max_iters=opt.warmup + opt.steps, log_interval=1,
                   eval_interval=10 ** 9, eval_iters=1, ckpt_interval=10 ** 9, device=opt.device,
@@ -211,51 +236,71 @@ def speed(opt):
     run("qat_train.py", {**common, "quantizer": "none", "max_iters": 1, "eval_iters": 1}, os.path.join(out, "init"))
     os.replace(os.path.join(out, "init", "ckpt.pt"), teacher)
     common = {k: v for k, v in common.items() if k not in ("preset", *shape)}  # the checkpoint has the shape
+    kinds = opt.steps_of.split(",")
     variants = []
     for dtype in opt.dtypes.split(","):
         for comp in [int(c) for c in opt.compile.split(",")]:
             base = {**common, "dtype": dtype, "compile": bool(comp), "mixed_precision": False}
-            variants += [
+            variants += [v for v in [
                 ((dtype, comp, "plain"), "qat_train.py", {**base, "quantizer": "none", "init_from": teacher}),
                 ((dtype, comp, "qat"), "qat_train.py", {**base, "quantizer": opt.quantizer, "group_size": opt.group_size, "init_from": teacher,
                                                          "ptq_baseline": False}),
                 ((dtype, comp, "kd"), "kd_train.py", {**base, "teacher_init": teacher, "init_from": teacher}),
                 ((dtype, comp, "qad"), "kd_train.py", {**base, "teacher_init": teacher, "init_from": teacher,
                                                        "quantizer": opt.quantizer, "group_size": opt.group_size}),
-            ]
+            ] if v[0][2] in kinds]
     times = {key: [] for key, _, _ in variants}  # seconds per timed step
     mfus = {key: [] for key, _, _ in variants}
     mems = {key: 0.0 for key, _, _ in variants}
+    # what dynamo says of a compiled run (TORCH_LOGS): the graph breaks and the recompilations, with
+    # their first reason; a compiled step is fast only as one graph per block shape, compiled once
+    compiled = {key: None for key, _, _ in variants}
+    untrained = {}  # the weights a run left as they started: a step that skips them is no figure of a step
     tokens_step = opt.batch_size * opt.block_size * opt.nproc
     forwards = {dtype: [] for dtype in opt.dtypes.split(",")}  # seconds per teacher forward, one process
     teacher_model = load_checkpoint(teacher)  # (args, state), read once for every round's forwards
     for r in range(opt.rounds):
         for key, script, args in variants:
-            recs = [x for x in run(script, args, os.path.join(out, "_".join(map(str, key)))) if "loss" in x]
+            run_dir = os.path.join(out, "_".join(map(str, key)))
+            recs = [x for x in run(script, args, run_dir, env={"TORCH_LOGS": "graph_breaks,recompiles"} if key[1] else None)
+                    if "loss" in x]
+            if key[1]:
+                compiled[key] = dynamo_events(os.path.join(run_dir, "output.txt"))
+            if r == 0:
+                untrained[key] = unchanged_weights(teacher_model, os.path.join(run_dir, "ckpt.pt"))
             times[key] += [tokens_step / x["tokens_per_sec"] for x in recs[opt.warmup:]]
             mfus[key] += [x["mfu"] for x in recs[opt.warmup:]]
             mems[key] = max(mems[key], recs[-1]["peak_mem_gib"])
             print(f"round {r + 1}/{opt.rounds} {'/'.join(map(str, key)):>22}: {1e3 * statistics.median(times[key]):8.1f} ms/step")
-        if opt.nproc == 1 and "0" in opt.compile.split(","):  # the bound of the eager KD step
+        if opt.nproc == 1 and "0" in opt.compile.split(",") and "kd" in kinds:  # the bound of the eager KD step
             for dtype in forwards:
                 forwards[dtype] += teacher_forward_times(opt, *teacher_model, dtype)
     rows, results = [], []
     for dtype in opt.dtypes.split(","):
         for comp in [int(c) for c in opt.compile.split(",")]:
             plain = statistics.median(times[(dtype, comp, "plain")])
-            for kind in ("plain", "qat", "kd", "qad"):
-                t = statistics.median(times[(dtype, comp, kind)])
+            for kind in kinds:
+                key = (dtype, comp, kind)
+                t = statistics.median(times[key])
                 tps = tokens_step / t
                 res = dict(dtype=dtype, compile=bool(comp), step=kind, ms_per_step=1e3 * t, tokens_per_sec=tps,
                            tokens_per_sec_per_device=tps / opt.nproc, ratio_to_plain=t / plain,
-                           mfu=statistics.median(mfus[(dtype, comp, kind)]), peak_mem_gib=mems[(dtype, comp, kind)])
+                           mfu=statistics.median(mfus[key]), peak_mem_gib=mems[key])
+                if comp:
+                    res |= compiled[key]
+                res["untrained"] = untrained[key]
                 results.append(res)
+                graphs = f"{res['graph_breaks']} / {res['recompiles']} (+{res['recompiles_grad_mode']})" if comp else "–"
                 rows.append(f"| {dtype} | {'compiled' if comp else 'eager'} | {kind} | {res['ms_per_step']:.1f} | "
                             f"{tps:,.0f} | {tps / opt.nproc:,.0f} | {res['ratio_to_plain']:.2f}x | {100 * res['mfu']:.0f}% | "
-                            f"{res['peak_mem_gib']:.2f} |")
-    table = ["| dtype | mode | step | ms/step | tokens/s | tokens/s/device | vs plain | MFU | peak mem GiB |",
-             "|---|---|---|---|---|---|---|---|---|"] + rows
-    notes = []
+                            f"{res['peak_mem_gib']:.2f} | {graphs} |")
+    table = ["| dtype | mode | step | ms/step | tokens/s | tokens/s/device | vs plain | MFU | peak mem GiB | graph breaks / recompiles (+ for a grad mode) |",
+             "|---|---|---|---|---|---|---|---|---|---|"] + rows
+    notes = [f"- {r['dtype']} compiled {r['step']}: {r[what]} {what.replace('_', ' ')}, the first: {r[what + '_first']}"
+             for r in results for what in ("graph_breaks", "recompiles") if r.get(what)]
+    notes += [f"- **{r['dtype']} {'compiled' if r['compile'] else 'eager'} {r['step']}: {len(r['untrained'])} weights ended "
+              f"as they started ({', '.join(r['untrained'][:3])}...): its steps did not train them, so its time is not "
+              f"a training step's**" for r in results if r["untrained"]]
     ms = {(r["dtype"], r["compile"], r["step"]): r["ms_per_step"] for r in results}
     for dtype, ts in forwards.items():
         if not ts:
@@ -273,11 +318,57 @@ def speed(opt):
                          f"tokens/s per rank, {r['tokens_per_sec_per_device'] / theirs:.2f}x torchtune 0.6.1 qat_distributed "
                          f"({theirs:,} tokens/s per rank, measured earlier on a 2-core CPU, not in this run)")
     report = (f"Speed: preset {opt.preset} {shape or ''}, batch {opt.batch_size} x {opt.block_size} per device, "
-              f"{opt.nproc} process(es) on {opt.device}, {opt.quantizer} g{opt.group_size}, "
+              f"{opt.nproc} process(es) on {opt.device} ({device_name(opt.device)}, torch {torch.__version__}), "
+              f"{opt.quantizer} g{opt.group_size}, "
               f"median of {opt.steps} steps x {opt.rounds} round(s) after {opt.warmup} warmup steps; "
               f"KD's teacher has the student's shape (one extra forward, ~1.33x a plain step's FLOPs)\n\n"
               + "\n".join(table) + "\n\n" + "\n".join(notes) + "\n")
     write(opt, "speed", report, {"options": vars(opt), "results": results})
+
+
+def unchanged_weights(start, ckpt):
+    """The names of the weight matrices in checkpoint ckpt equal to their start (args, state), in
+    ckpt's dtype: none after a few steps of training, whose every weight a gradient reaches (AdamW
+    skips a weight that gets none; the norms' gains, all 1.0, can stay there in bfloat16 at the
+    warmup's small learning rates, which the values near 0 of a matrix do not)."""
+    args, state = load_checkpoint(ckpt)
+    with torch.device("meta"):
+        names = [name for name, p in Transformer(args).named_parameters() if p.dim() > 1]
+    return [k for k in names if torch.equal(start[1][k].to(state[k].dtype), state[k])]
+
+
+def dynamo_events(path):
+    """The graph breaks and recompilations dynamo logged (TORCH_LOGS=graph_breaks,recompiles) in a
+    run's output: their counts and the first of each, where and why. A recompilation that a change of
+    grad mode triggered (the evaluations after the timed steps, a frozen teacher's forward; none
+    before them, a speed run evaluating only at its end) is one graph per mode, counted apart."""
+    with open(path) as f:
+        lines = [line.rstrip() for line in f]
+    events = {"graph_breaks": [], "recompiles": []}  # (text, reasons) of each
+    for line in lines:
+        tag = "[__graph_breaks]" if "[__graph_breaks]" in line else "[__recompiles]" if "[__recompiles]" in line else None
+        text = line.split(tag, 1)[1].strip() if tag else ""
+        if text.startswith("Graph break") or text.startswith("Recompiling function"):
+            events["graph_breaks" if tag == "[__graph_breaks]" else "recompiles"].append([text, []])
+        elif tag == "[__recompiles]" and events["recompiles"] and (m := re.match(r"- \d+/\d+: (.*)", text)):
+            events["recompiles"][-1][1].append(m.group(1))  # a guard that failed against a graph compiled before
+    every = events["recompiles"]
+    events["recompiles"] = [e for e in every if not any("grad_mode" in reason for reason in e[1])]
+    res = {"recompiles_grad_mode": len(every) - len(events["recompiles"])}
+    for what, found in events.items():
+        res |= {what: len(found), f"{what}_first": " ".join([found[0][0]] + found[0][1][:1])[:300] if found else ""}
+    return res
+
+
+def device_name(device):
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    return f"{os.cpu_count()} cores"
 
 
 def teacher_forward_times(opt, args, state, dtype):
@@ -776,6 +867,9 @@ if __name__ == "__main__":
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--compile", default="0,1", help="compile modes to run: 0 eager, 1 compiled")
     p.add_argument("--quantizer", default="8da4w")
+    p.add_argument("--steps_of", default="plain,qat,kd,qad", help="speed: the steps to time (plain always)")
+    p.add_argument("--vocab_size", type=int, help="speed: time on random tokens of this vocabulary instead of "
+                                                  "--data_dir's text, e.g. Llama 3's 128256")
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps per run (compilation happens here)")
     p.add_argument("--rounds", type=int, default=2)
@@ -833,7 +927,7 @@ if __name__ == "__main__":
     # 8da4w in float32 on this machine's CPU, kd one process; quality takes its schemes, not --quantizer)
     shape = {"preset", "n_layer", "n_embd", "n_head", "n_kv_head", "batch_size", "block_size", "out_dir"}
     reads = {"speed": shape | {"data_dir", "device", "nproc", "group_size", "peak_flops", "dtypes", "compile", "quantizer",
-                               "steps", "warmup", "rounds"},
+                               "steps_of", "vocab_size", "steps", "warmup", "rounds"},
              "memory": shape | {"nproc", "quantizer", "replicate_degree"},
              "quality": shape | {"data_dir", "device", "nproc", "group_size", "dtype", "schemes", "seeds", "base_iters",
                                  "base_ckpt", "base_lr", "ft_iters", "ft_lr", "qad_kd_ratio", "qad_kd_temperature",
@@ -858,8 +952,13 @@ if __name__ == "__main__":
         p.error("--n_layer/--n_embd/--n_head/--n_kv_head shape a new base model; --base_ckpt carries its own shape")
     if opt.preset not in PRESETS:
         p.error(f"--preset {opt.preset!r} is unknown; choose from {sorted(PRESETS)} or 'torchtune'")
+    steps_of = opt.steps_of.split(",")
+    if "plain" not in steps_of or set(steps_of) - {"plain", "qat", "kd", "qad"} or len(set(steps_of)) < len(steps_of):
+        p.error(f"--steps_of {opt.steps_of!r}: name each of plain (the reference, always), qat, kd, qad at most once")
     if opt.mode == "memory":
         sys.exit(memory(opt))
-    if not os.path.exists(os.path.join(opt.data_dir, "meta.json")):
+    if opt.vocab_size is not None and opt.vocab_size < 2:
+        p.error(f"--vocab_size {opt.vocab_size}: a vocabulary needs 2 tokens at least")
+    if not opt.vocab_size and not os.path.exists(os.path.join(opt.data_dir, "meta.json")):
         p.error(f"{opt.data_dir} has no prepared data; run python data_prep.py first")
     {"speed": speed, "quality": quality, "deploy": deploy, "kd": kd}[opt.mode](opt)

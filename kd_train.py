@@ -753,8 +753,8 @@ if activation_checkpointing:
         if i % activation_checkpointing == 0:
             activation_checkpoint(block)
 if compile:
-    # a graph break inside torchao's fake quantizer (seen with torch 2.11 on CUDA) compiles each
-    # linear's shape separately; the default limit of 8 would then fall back to eager mid-model
+    # a graph per shape: the loss's last chunk of a step, and the evaluation's, are shorter than the
+    # others; dynamo's default limit of 8 would send the rest to eager
     torch._dynamo.config.recompile_limit = 64
     for block in list(model.layers) + (list(teacher.layers) if teacher is not None else []):
         block.compile()
@@ -1028,8 +1028,11 @@ def stored_chunk_losses(hs, t_ids, t_logp, y):
 
 
 if compile:
-    chunk_losses = torch.compile(chunk_losses)
-    stored_chunk_losses = torch.compile(stored_chunk_losses)
+    # static shapes: a chunk of another length mid-step would otherwise compile a dynamic graph that
+    # the earlier chunks' recomputation in backward then runs, saving its tensors in another order
+    # than their forward did (torch 2.11, CUDA: a CheckpointError)
+    chunk_losses = torch.compile(chunk_losses, dynamic=False)
+    stored_chunk_losses = torch.compile(stored_chunk_losses, dynamic=False)
 # tokens per chunk: by default 1048 at vocab 32000, whose fp32 logits then take 134 MB per model
 chunk_tokens = loss_chunk or max(1, LOGITS_PER_CHUNK // max(model_args.vocab_size, (teacher_args or model_args).vocab_size))
 

@@ -517,12 +517,16 @@ if activation_checkpointing:
         if i % activation_checkpointing == 0:
             activation_checkpoint(block)
 if compile:
-    # a graph break inside torchao's fake quantizer (seen with torch 2.11 on CUDA) compiles each
-    # linear's shape separately; the default limit of 8 would then fall back to eager mid-model
+    # a graph per shape: the loss's last chunk of a step, and the evaluation's, are shorter than the
+    # others; dynamo's default limit of 8 would send the rest to eager
     torch._dynamo.config.recompile_limit = 64
     for block in model.layers:
         block.compile()
-    model.ce_chunk = torch.compile(model.ce_chunk)  # the output layer, the fp32 upcast and the CE in one graph
+    # the output layer, the fp32 upcast and the CE in one graph. Static shapes: the chunks are
+    # recomputed in backward, and a chunk of another length mid-step would have dynamo compile a
+    # dynamic graph that the earlier chunks' recomputation then runs, saving its tensors in another
+    # order than their forward did (torch 2.11, CUDA: a CheckpointError)
+    model.ce_chunk = torch.compile(model.ce_chunk, dynamic=False)
 
 # FSDP2: one unit per block, the embedding its own; the root keeps the final norm and output,
 # which stay gathered through forward and backward, so the chunked loss can reuse them

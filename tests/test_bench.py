@@ -218,11 +218,52 @@ def test_run_once_reruns_on_data_prepared_again(tmp_path, monkeypatch, capsys):
     assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out"))[0]["fp_val_loss"] == 2.0 and len(calls) == 2
 
 
+def test_speed_compiled_on_a_vocabulary_of_random_tokens(tmp_path):
+    # the real scripts compiled: their QAT step is one graph per block, compiled once for training
+    # (the final evaluation's no_grad forward once more); the data random tokens of the vocabulary asked for
+    out = tmp_path / "out"
+    bench("speed", "--out_dir", str(out), *SMALL, "--dtypes", "float32", "--compile", "1", "--steps_of", "plain,qat",
+          "--vocab_size", "300", "--rounds", "1", "--steps", "1", "--warmup", "1", "--peak_flops", "1e11")
+    res = report(out, "speed")["results"]
+    assert [(r["step"], r["graph_breaks"], r["recompiles"]) for r in res] == [("plain", 0, 0), ("qat", 0, 0)]
+    assert all(r["recompiles_grad_mode"] >= 1 for r in res)
+    # every weight matrix trained; one that a step left as it started would be named
+    assert all(r["untrained"] == [] for r in res)
+    sys.path.insert(0, str(ROOT))
+    import bench as bench_module
+    teacher = out / "speed" / "teacher.pt"
+    names = bench_module.unchanged_weights(bench_module.load_checkpoint(teacher), teacher)
+    assert "layers.0.attention.wq.weight" in names and "output.weight" in names and not any("norm" in n for n in names)
+    meta = json.load(open(out / "speed" / "data_300" / "meta.json"))
+    assert meta["vocab_size"] == 300 and meta["dtype"] == "uint16"
+    assert "0 / 0 (+" in report(out, "speed", "md")
+
+
+def test_dynamo_events_are_read_from_torchs_own_log(tmp_path):
+    # the log lines of the installed torch: a graph break, a recompilation for a new shape, one for no_grad
+    code = ("import torch\n@torch.compile(dynamic=False)\ndef f(x):\n    x = x * 2\n    torch._dynamo.graph_break()\n"
+            "    return x + 1\nx = torch.randn(3, requires_grad=True)\nf(x)\nf(torch.randn(4, 4, requires_grad=True))\n"
+            "with torch.no_grad():\n    f(x)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=script_env() | {"TORCH_LOGS": "graph_breaks,recompiles"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (tmp_path / "output.txt").write_text(r.stdout + r.stderr)
+    sys.path.insert(0, str(ROOT))
+    import bench as b
+    got = b.dynamo_events(tmp_path / "output.txt")
+    assert got["graph_breaks"] >= 1 and "<string>:5" in got["graph_breaks_first"], got
+    assert got["recompiles"] >= 1 and "Recompiling function f" in got["recompiles_first"], got
+    assert got["recompiles_grad_mode"] >= 1, got
+
+
 @pytest.mark.parametrize("args, says", [(["speed", "--schemes", "4w"], "speed does not read --schemes"),
                                         (["quality", "--quantizer", "4w"], "quality does not read --quantizer"),
                                         (["memory", "--dtype", "bfloat16", "--gptq_tokens", "8"],
                                          "memory does not read --dtype, --gptq_tokens"),
                                         (["kd", "--range_learning", "1"], "kd does not read --range_learning"),
+                                        (["speed", "--steps_of", "qat,kd"], "--steps_of 'qat,kd': name each of plain"),
+                                        (["speed", "--vocab_size", "1"], "--vocab_size 1: a vocabulary needs 2 tokens"),
+                                        (["quality", "--vocab_size", "300"], "quality does not read --vocab_size"),
                                         (["speed", "--preset", "torchtune", "--batch_size", "8"],
                                          "--preset torchtune sets the shape torchtune was measured with; drop --batch_size")])
 def test_options_a_mode_would_ignore_are_refused(args, says):
