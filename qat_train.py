@@ -877,6 +877,25 @@ def check_finite():
         sys.exit(2)
 
 
+def check_gradients():
+    """Stops every rank, in one line, when the run's first step left a trainable weight without a
+    gradient: AdamW would pass over it without a word, and only part of the model would train.
+    (Learned scales get none while fake quant is off.)"""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.grad is None
+             and (fake_quant_on(iter_num) or not n.endswith("learned_scale"))]
+    missing = torch.tensor(len(named), device=device)
+    dist.all_reduce(missing)
+    if missing.item():
+        if master_process:
+            pbar.close()
+            hint = "; rerun with compile=False to see whether torch.compile drops them" if compile else ""
+            print(f"error: step {iter_num + 1}: no gradient reached {', '.join(n for n, _ in named[:3]) or 'some weights'}"
+                  f"{' and others' if len(named) > 3 else ''}: the loss does not depend on them as trained{hint}",
+                  file=sys.stderr, flush=True)
+        dist.barrier()
+        sys.exit(2)
+
+
 with profiler as prof:
     while iter_num < max_iters and not convert_only:
         if quant_bits is not None and iter_num == fake_quant_after_n_steps and iter_num > 0:
@@ -907,6 +926,8 @@ with profiler as prof:
                 loss = model(x, y, reduction="sum", loss_chunk=loss_chunk, input_pos=pos)
             (loss * world_size / n_tokens).backward()
             loss_sum += loss.detach()
+        if iter_num == start_iter and not optimizer_in_bwd:  # (optimizer_in_bwd steps and frees each gradient in backward)
+            check_gradients()
         if not optimizer_in_bwd:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
             optimizers[0].step()

@@ -91,6 +91,22 @@ def run(script, *args, nproc=1, check=True, env=None, timeout=600, **settings):
     return r
 
 
+def run_patched(script, patch, env=None, timeout=600, **settings):
+    """Runs a script as run() does (check=False), after the Python statements `patch`: a fault
+    injected for the script's own guards to catch."""
+    argv = command(script, **settings)[1:]
+    code = f"import runpy, sys\nsys.path.insert(0, {str(ROOT)!r})\n{patch}\nsys.argv = {argv!r}\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=script_env(env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# a fault for run_patched: the fused fake quantizers pass no gradient to the weights they fake-quantize
+# (per group), as a compiler that dropped that edge of the graph would
+DETACHED_WEIGHTS = """import model
+fake_quantize = model.FusedFakeQuantizer.forward
+model.FusedFakeQuantizer.forward = lambda self, x: fake_quantize(self, x.detach() if isinstance(self.config.granularity, model.PerGroup) else x)"""
+
+
 # runs a script several times in one interpreter, so torch and torchao are imported once
 _DRIVER = r"""
 import contextlib, io, json, os, runpy, sys, traceback

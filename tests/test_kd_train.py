@@ -9,6 +9,7 @@ its state from scratch on every run (seed, process group, models)."""
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, command, make_data, read_log, run, script_env
+from conftest import DETACHED_WEIGHTS, ROOT, command, make_data, read_log, run, run_patched, script_env
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import load_adapter, load_checkpoint  # noqa: E402
@@ -279,6 +280,14 @@ def test_kd_ratio_zero_equals_ce_training(setup, tmp_path):
     state = kd_ckpt["optimizer"]["state"]
     assert set(state) == student_params
     assert sorted(p for g in kd_ckpt["optimizer"]["param_groups"] for p in g["params"]) == sorted(student_params)
+
+
+def test_qad_weights_no_gradient_reaches_stop_the_run(setup, tmp_path):
+    # as in qat_train.py: a weight without a gradient, which AdamW would pass over, stops the first step
+    r = run_patched("kd_train.py", DETACHED_WEIGHTS, env=ENV, **TRAIN, data_dir=setup["data"], init_from=setup["student"],
+                    teacher_init=setup["teacher"], quantizer="8da4w", group_size=32, out_dir=tmp_path / "qad")
+    assert r.returncode == 2 and re.search(r"error: step 1: no gradient reached layers\.0\.attention\.wq\.weight, .* and "
+                                           r"others: the loss does not depend on them as trained\n", r.stderr), r.stderr[-2000:]
 
 
 def test_non_finite_teacher(setup, tmp_path):

@@ -29,7 +29,7 @@ from torchao.quantization import (  # noqa: E402
 from torchao.quantization.qat import QATConfig  # noqa: E402
 
 from configurator import TRAINING_ONLY  # noqa: E402
-from conftest import command, make_data, read_log, run, run_early_exits, script_env  # noqa: E402
+from conftest import DETACHED_WEIGHTS, command, make_data, read_log, run, run_early_exits, run_patched, script_env  # noqa: E402
 from model import IGNORE_INDEX, ModelArgs, Transformer, initial_scales, learn_scales  # noqa: E402
 
 SCRIPT = "qat_train.py"
@@ -439,6 +439,20 @@ def test_non_finite_loss_stops_the_run_before_its_checkpoint(data, tmp_path):
                                     "grad_clip": float("inf"), "gradient_accumulation_steps": 1})
     assert r.returncode == 2 and re.search(r"step 2: the (loss|gradient) is not finite; stopped, and no checkpoint was written; "
                                            r"lower learning_rate or grad_clip, or train in float32", r.stderr), r.stderr[-2000:]
+
+
+def test_weights_no_gradient_reaches_stop_the_run(data, tmp_path):
+    # AdamW passes over a weight without a gradient: the first step finds them and stops, in one line
+    qat = dict(BASE, **QAT, data_dir=data) | {"fake_quant_after_n_steps": 0}
+    r = run_patched(SCRIPT, DETACHED_WEIGHTS, **qat, out_dir=tmp_path / "one")
+    assert r.returncode == 2 and re.search(r"error: step 1: no gradient reached layers\.0\.attention\.wq\.weight, "
+                                           r"layers\.0\.attention\.wk\.weight, layers\.0\.attention\.wv\.weight and others: "
+                                           r"the loss does not depend on them as trained\n", r.stderr), r.stderr[-2000:]
+    assert not (tmp_path / "one" / "ckpt.pt").exists()
+    # while fake quant is off the same fault is no fault (the weights pass unquantized), nor are learned scales without gradients
+    r = run_patched(SCRIPT, DETACHED_WEIGHTS, **dict(qat, fake_quant_after_n_steps=N, range_learning=True, max_iters=N),
+                    out_dir=tmp_path / "off")
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_none_to_resume(train, data, tmp_path):
