@@ -254,7 +254,7 @@ def speed(opt):
     mems = {key: 0.0 for key, _, _ in variants}
     # what dynamo says of a compiled run (TORCH_LOGS): the graph breaks and the recompilations, with
     # their first reason; a compiled step is fast only as one graph per block shape, compiled once
-    compiled = {key: None for key, _, _ in variants}
+    compiled = {}
     untrained = {}  # the weights a run left as they started: a step that skips them is no figure of a step
     tokens_step = opt.batch_size * opt.block_size * opt.nproc
     forwards = {dtype: [] for dtype in opt.dtypes.split(",")}  # seconds per teacher forward, one process
@@ -331,10 +331,8 @@ def unchanged_weights(start, ckpt):
     ckpt's dtype: none after a few steps of training, whose every weight a gradient reaches (AdamW
     skips a weight that gets none; the norms' gains, all 1.0, can stay there in bfloat16 at the
     warmup's small learning rates, which the values near 0 of a matrix do not)."""
-    args, state = load_checkpoint(ckpt)
-    with torch.device("meta"):
-        names = [name for name, p in Transformer(args).named_parameters() if p.dim() > 1]
-    return [k for k in names if torch.equal(start[1][k].to(state[k].dtype), state[k])]
+    state = load_checkpoint(ckpt)[1]
+    return [k for k, v in start[1].items() if v.dim() > 1 and torch.equal(v.to(state[k].dtype), state[k])]
 
 
 def dynamo_events(path):
