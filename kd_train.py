@@ -1277,7 +1277,7 @@ if master_process:
     teacher_desc = f"top-{store_meta['k']} store {teacher_topk_dir}" if from_store else f"{sum(p.numel() for p in teacher.parameters()):,}"
     print(f"student {sum(p.numel() for p in model.parameters()):,} parameters ({n_train:,} trained), "
           f"teacher {teacher_desc}; teacher val loss {teacher_val_loss:.4f}")
-    print(f"{flops_token / 1e6:.1f} MFLOPs per token, peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
+    print(f"{flops_token / 1e6:.1f} MFLOPs per token, peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
 profiler = nullcontext()
 if profile:
     profiler = torch.profiler.profile(

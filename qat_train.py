@@ -775,7 +775,7 @@ peak, peak_source = (peak_flops_per_device, "given") if peak_flops_per_device el
 peak_retimed = False
 if master_process and not convert_only:
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {flops_token / 1e6:.1f} MFLOPs per token, "
-          f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
+          f"peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
 profiler = nullcontext()
 if profile and not convert_only:
     profiler = torch.profiler.profile(
