@@ -114,6 +114,8 @@ def quantized(records, method, out_dir):
     return s
 
 
+# the settings a run without a quantizer refuses: QAD's that its full-precision reference leaves out
+QUANT_ONLY = ("fake_quant_after_n_steps", "range_learning", "range_lr_ratio")
 # what a run computes beyond its arguments: the scripts and the modules they import
 CODE_FILES = ("qat_train.py", "kd_train.py", "model.py", "checkpoint.py", "data_prep.py", "configurator.py")
 
@@ -412,11 +414,16 @@ def quality(opt):
     quant_set, quant_name = settings(opt.quant_set)
     learned = ["range_learning=True"] * bool(opt.range_learning)  # named, so that its runs never land on the others
     qat_set, qat_name = settings(learned + opt.qat_set)
-    qad_set, qad_name = settings(learned + opt.qad_set + [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base"))
+    teacher_named = [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base")
+    qad_set, qad_name = settings(learned + opt.qad_set + teacher_named)
+    # the full-precision distillation: QAD's run without its quantizer, the teacher's share of what QAD wins
+    kd_set, kd_name = settings([p for p in opt.qad_set + teacher_named if p.split("=", 1)[0] not in QUANT_ONLY])
     stage = "_after_plain" * (opt.start == "plain")  # a stage after the plain finetune: its runs named apart
     methods = opt.methods.split(",")
-    if unknown := set(methods) - {"qat", "qad", "none"}:
-        sys.exit(f"bench: --methods {opt.methods!r} names {sorted(unknown)}; use qat, qad, both (qat,qad) or none")
+    if unknown := set(methods) - {"qat", "qad", "kd", "none"}:
+        sys.exit(f"bench: --methods {opt.methods!r} names {sorted(unknown)}; use qat, qad, kd, a list (qat,qad) or none")
+    if "kd" in methods and "qad" not in methods:
+        sys.exit("bench: --methods kd is QAD's reference (QAD without its quantizer): run it with qad, e.g. --methods qad,kd")
     t_start = time.perf_counter()
     base_dir = os.path.join(out, "base")
     base_args = {**common, "preset": opt.preset, **shape_args(opt), "quantizer": "none", "max_iters": opt.base_iters,
@@ -456,6 +463,11 @@ def quality(opt):
             more_dir = os.path.join(out, f"s{seed}_plain{ft_name}{stage}")
             more = summary(run_once("qat_train.py", {**ft, "quantizer": "none", "seed": run_seed, "init_from": start}, more_dir,
                                     opt.nproc, quiet=False))
+        if "kd" in methods:
+            kd_dir = os.path.join(out, f"s{seed}_kdfp{ft_name}{kd_name}{stage}")
+            kd_fp = summary(run_once("kd_train.py", {**ft, "quantizer": "none", "seed": run_seed, "kd_ratio": opt.qad_kd_ratio,
+                                                     "kd_temperature": opt.qad_kd_temperature, **kd_set, "teacher_init": teacher,
+                                                     "init_from": start}, kd_dir, opt.nproc, quiet=False))
         for s in schemes:
             q = {"quantizer": s, "group_size": opt.group_size, **quant_set}
             r = {"fp": plain["fp_val_loss"],
@@ -464,6 +476,10 @@ def quality(opt):
                 r["fp_more"] = more["fp_val_loss"]
                 r["ptq_more"] = rounded(os.path.join(more_dir, "ckpt.pt"), q,
                                         os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}{stage}"))
+            if "kd" in methods:
+                r["fp_kd"] = kd_fp["fp_val_loss"]
+                r["ptq_kd"] = rounded(os.path.join(kd_dir, "ckpt.pt"), q,
+                                      os.path.join(out, f"s{seed}_ptq_{s}{ft_name}{quant_name}_kdfp{kd_name}{stage}"))
             if opt.gptq_tokens:  # the stronger PTQ a 4-bit QAT run has to beat: GPTQ of the same plain finetune
                 r["gptq"] = rounded(models["plain"], q, os.path.join(out, f"s{seed}_gptq{opt.gptq_tokens}_{s}{ft_name}{quant_name}"),
                                     range_learning=True, gptq_tokens=opt.gptq_tokens)
@@ -520,6 +536,12 @@ def quality(opt):
                          f"{ms([r['fp_more'] for r in runs[s]])}, PTQ of it {ms([r['ptq_more'] for r in runs[s]])}; "
                          f"against it (the same steps as the stage) "
                          + ", ".join(f"{m.upper()} recovers {pm(v)}" for m, v in same.items()))
+        if "kd" in methods:  # against the same steps, rate and teacher in full precision: what quantizing alone costs
+            vs_kd = [(r["ptq_kd"] - r["qad"]) / (r["ptq_kd"] - r["fp_kd"]) for r in runs[s]]
+            results["schemes"][s]["qad_recovery_vs_kd"] = vs_kd
+            notes.append(f"- {s}: the full-precision distillation at QAD's settings (QAD without its quantizer): ppl "
+                         f"{ms([r['fp_kd'] for r in runs[s]])}, PTQ of it {ms([r['ptq_kd'] for r in runs[s]])}; against it "
+                         f"QAD recovers {pm(vs_kd)}")
         table.append(f"| {s} g{opt.group_size}{quant_name} | {ms(col['fp'])} | {ms(col['ptq'])} | {pm(deg)} | {ms(col['qat'])} | "
                      f"{ms(col['qad'])} | {pm(rec.get('qat'))} | {pm(rec.get('qad'))} |"
                      + f" {ms(col['gptq'])} | {pm(rec.get('gptq'))} |" * bool(opt.gptq_tokens))
@@ -894,7 +916,9 @@ if __name__ == "__main__":
     p.add_argument("--gptq_tokens", type=int, default=0,
                    help="quality: also score GPTQ of each plain finetune over this many train tokens (qat_train's gptq_tokens), "
                         "the PTQ a 4-bit QAT run has to beat")
-    p.add_argument("--methods", default="qat,qad", help="quality: the quantization-aware finetunes to run (qat, qad, or none)")
+    p.add_argument("--methods", default="qat,qad",
+                   help="quality: the quantization-aware finetunes to run (qat, qad, or none), and kd: beside qad, the same "
+                        "distillation in full precision, PTQ of it, and QAD's recovery counted against that")
     p.add_argument("--ft_set", action="append", default=[], metavar="KEY=VALUE",
                    help="a setting of every finetune, the plain one included (which --qat_set / --qad_set then "
                         "override), e.g. beta2=0.999; its runs are named apart from the default's; repeatable")

@@ -110,6 +110,20 @@ def test_quality_report(tmp_path):
         assert math.isclose(g[f"{m}_recovery_same_steps"][0],
                             (run["ptq_more"] - run[m]) / (run["ptq_more"] - run["fp_more"]), rel_tol=1e-9)
     assert "trained 2 more steps in full precision" in report(stage, "quality_teacher_init=plain_after_plain", "md")
+    # QAD's full-precision reference: the same run without its quantizer (learned scales dropped with it),
+    # rounded, and QAD scored against it
+    bench("quality", "--data_dir", data, "--out_dir", str(out), *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"),
+          "--ft_iters", "2", "--kd_iters", "0", "--seeds", "1", "--schemes", "8da2w", "--methods", "qad,kd",
+          "--range_learning", "1", "--qad_set", "range_lr_ratio=0.5", "--qad_set", "kd_temperature=3.0")
+    config = torch.load(q / "s0_kdfp_kd_temperature=3.0" / "ckpt.pt", weights_only=True)["config"]
+    assert (config["quantizer"], config["kd_temperature"], config["range_learning"]) == ("none", 3.0, False)
+    assert read_log(q / "s0_ptq_8da2w_kdfp_kd_temperature=3.0")[-1]["method"] == "ptq"
+    g = report(out, "quality_range_learning=True_range_learning=True_range_lr_ratio=0.5_kd_temperature=3.0")
+    run = g["schemes"]["8da2w"]["runs"][0]
+    assert math.isclose(g["schemes"]["8da2w"]["qad_recovery_vs_kd"][0],
+                        (run["ptq_kd"] - run["qad"]) / (run["ptq_kd"] - run["fp_kd"]), rel_tol=1e-9)
+    assert "the full-precision distillation at QAD's settings" in report(
+        out, "quality_range_learning=True_range_learning=True_range_lr_ratio=0.5_kd_temperature=3.0", "md")
     # a setting that leaves fake quant off at the end makes PTQ of the run, which is no QAT figure;
     # a teacher named in --qad_set would not be the one bench gives
     for setting, says in (("--qat_set=fake_quant_after_n_steps=5", "converted as 'ptq', not 'qat'"),
@@ -119,7 +133,9 @@ def test_quality_report(tmp_path):
                           # nor may a method's own settings move it off PTQ's grid or seed
                           ("--qat_set=group_size=64", "--qat_set group_size=... is not read"),
                           ("--qad_set=quant_skip=('output',)", "--qad_set quant_skip=... is not read"),
-                          ("--qat_set=seed=0", "--qat_set seed=... is not read")):
+                          ("--qat_set=seed=0", "--qat_set seed=... is not read"),
+                          # QAD's reference alone would be no comparison
+                          ("--methods=qat,kd", "run it with qad")):
         r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "quality", "--data_dir", data, "--out_dir", str(out),
                             *SMALL, "--base_ckpt", str(q / "base" / "ckpt.pt"), "--ft_iters", "2", "--kd_iters", "0",
                             "--seeds", "1", "--schemes", "8da2w", setting], cwd=ROOT, env=script_env(),
