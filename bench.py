@@ -67,7 +67,7 @@ import numpy as np
 import torch
 
 from checkpoint import checkpoint_digest, load_checkpoint
-from configurator import TRAINING_ONLY
+from configurator import QUANTIZER_ONLY, TRAINING_ONLY
 from model import LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -114,8 +114,6 @@ def quantized(records, method, out_dir):
     return s
 
 
-# the settings a run without a quantizer refuses: QAD's that its full-precision reference leaves out
-QUANT_ONLY = ("fake_quant_after_n_steps", "range_learning", "range_lr_ratio")
 # what a run computes beyond its arguments: the scripts and the modules they import
 CODE_FILES = ("qat_train.py", "kd_train.py", "model.py", "checkpoint.py", "data_prep.py", "configurator.py")
 
@@ -417,7 +415,8 @@ def quality(opt):
     teacher_named = [f"teacher_init={opt.qad_teacher}"] * (opt.qad_teacher != "base")
     qad_set, qad_name = settings(learned + opt.qad_set + teacher_named)
     # the full-precision distillation: QAD's run without its quantizer, the teacher's share of what QAD wins
-    kd_set, kd_name = settings([p for p in opt.qad_set + teacher_named if p.split("=", 1)[0] not in QUANT_ONLY])
+    kd_set, kd_name = settings([p for p in opt.qad_set + teacher_named
+                                if p.split("=", 1)[0] not in (*QUANTIZER_ONLY, "range_lr_ratio")])
     stage = "_after_plain" * (opt.start == "plain")  # a stage after the plain finetune: its runs named apart
     methods = opt.methods.split(",")
     if unknown := set(methods) - {"qat", "qad", "kd", "none"}:

@@ -173,6 +173,9 @@ def configure(globals_dict, argv=None, print_config=True, positive=()):
         sys.exit(2)
 
 
+# the settings that only a run with a quantizer reads (range_lr_ratio needs range_learning too)
+QUANTIZER_ONLY = ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip", "range_learning")
+
 # the settings of the training loop alone, which a run that trains nothing (qat_train's convert_only,
 # kd_train's topk_write) refuses on its command line
 TRAINING_ONLY = ("max_iters", "learning_rate", "min_lr", "lr_decay_iters", "warmup_iters", "weight_decay", "beta1", "beta2",
@@ -241,8 +244,7 @@ def check_training(c, overridden, world_size):
          f"profile_active), past max_iters={c['max_iters']}: no trace would be written"),
     ]
     # a setting that would be ignored in this mode is a mistake to point out, not to run with
-    if quant_bits is None and (unused := [k for k in ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip",
-                                                      "range_learning") if k in overridden]):
+    if quant_bits is None and (unused := [k for k in QUANTIZER_ONLY if k in overridden]):
         problems.append((True, f"{', '.join(unused)} only matter with a quantizer, and quantizer='none'; set a quantizer or drop them"))
     needs = {"wandb_project": "wandb_log", "wandb_run_name": "wandb_log", "profile_wait": "profile", "profile_warmup": "profile",
              "profile_active": "profile"}
