@@ -536,26 +536,41 @@ def _qparams(x, qmin, qmax, eps, symmetric):
     return scale, (qmin - torch.round(lo / scale)).clamp(qmin, qmax)
 
 
+def _mask_as_difference(x):
+    """Whether a compiled fake quant keeps its clamp mask as the float difference, not as bools:
+    Inductor's CPU kernels (torch 2.13) store and load bool tensors through a slow path, 2-20x the
+    time of the whole fake quant (a conversion is slow too)."""
+    return x.device.type == "cpu"
+
+
 class _FakeQuantize(torch.autograd.Function):
     # torchao's fake quantize (scale, round, shift, clamp, and back) in the dtype torchao computes
     # it in (x's, or the scale's if wider); the gradient is straight-through except where the clamp
     # held, as torchao's, and needs only that mask
     @staticmethod
     def forward(ctx, x, scale, zero_point, qmin, qmax):
+        zero_point = zero_point.to(torch.promote_types(x.dtype, scale.dtype))  # integers, which it holds exactly
+        if torch.compiler.is_compiling():
+            # out of place, and no .to() that returns its input: torch 2.11's dynamo sends the
+            # gradient of an autograd.Function whose output is also one of its intermediates (the
+            # result of an in-place op, or of such a .to()) to another output, and every input's
+            # gradient is zero (pytorch/pytorch#180642): compiled QAT on an H100 trained no weight,
+            # and nothing said so. Inductor fuses the passes anyway
+            q = torch.round(x * (1.0 / scale)) + zero_point
+            clamped = q.clamp(qmin, qmax)
+            # where the clamp moved q the gradient stops: there q - clamped is a nonzero integer
+            clipped = q - clamped
+            # as a difference, backward multiplies by 1 - min(|difference|, 1)
+            ctx.save_for_backward(clipped if _mask_as_difference(x) else clipped != 0)
+            out = (clamped - zero_point) * scale
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        # eager: in place, fewer passes over memory
         q = x * (1.0 / scale)
-        zero_point = zero_point.to(q.dtype)  # integers, which q's dtype holds exactly: an add of one dtype is faster
         q = q.round_().add_(zero_point)
         clamped = q.clamp(qmin, qmax)
-        # where the clamp moved q the gradient stops: there q - clamped is a nonzero integer
         clipped = q.sub_(clamped)
-        if torch.compiler.is_compiling() and x.device.type == "cpu":
-            # Inductor's CPU kernels (torch 2.13) store and load bool tensors through a slow path,
-            # 2-20x the time of the whole fake quant: the compiled mask stays the difference, in q's
-            # dtype (a conversion is slow too), and backward multiplies by 1 - min(|difference|, 1)
-            ctx.save_for_backward(clipped)
-        else:
-            # a cast to bool: ATen writes a compare's bool result 2-3x slower than it casts floats
-            ctx.save_for_backward(clipped.bool())
+        # a cast to bool: ATen writes a compare's bool result 2-3x slower than it casts floats
+        ctx.save_for_backward(clipped.bool())
         return clamped.to(x.dtype).sub_(zero_point.to(x.dtype)).mul_(scale)
 
     @staticmethod

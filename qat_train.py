@@ -877,20 +877,32 @@ def check_finite():
         sys.exit(2)
 
 
-def check_gradients():
+def check_gradients(step_loss):
     """Stops every rank, in one line, when the run's first step left a trainable weight without a
-    gradient: AdamW would pass over it without a word, and only part of the model would train.
+    gradient, or with one zero everywhere in a finite step with a loss: AdamW would pass over the
+    first and move the second by weight decay alone, without a word, and only part of the model
+    would train (compiled by torch 2.11, an in-place fake quant zeroed them all).
     (Learned scales get none while fake quant is off.)"""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.grad is None
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad
              and (fake_quant_on(iter_num) or not n.endswith("learned_scale"))]
-    missing = torch.tensor(len(named), device=device)
-    dist.all_reduce(missing)
-    if missing.item():
+    grads = [None if p.grad is None else p.grad.to_local() for _, p in named]
+    # per weight, over the ranks: whether it has no gradient, and its gradient's nonzero elements;
+    # then the weights whose gradient is not finite, and the loss
+    counts = torch.tensor([float(g is None) for g in grads] + [0.0 if g is None else float(torch.count_nonzero(g)) for g in grads]
+                          + [sum(float(not g.isfinite().all()) for g in grads if g is not None), float(step_loss)],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(counts)
+    *counts, not_finite, loss = counts.tolist()
+    none = [n for (n, _), c in zip(named, counts) if c > 0]
+    zero = [n for (n, _), c in zip(named, counts[len(named):]) if c == 0 and n not in none]
+    if none or (zero and not not_finite and 0 < loss < math.inf):  # a step not finite is check_finite's
         if master_process:
             pbar.close()
+            names = none or zero
+            what = "no gradient reached" if none else "the gradient was zero everywhere for"
             hint = "; rerun with compile=False to see whether torch.compile drops them" if compile else ""
-            print(f"error: step {iter_num + 1}: no gradient reached {', '.join(n for n, _ in named[:3]) or 'some weights'}"
-                  f"{' and others' if len(named) > 3 else ''}: the loss does not depend on them as trained{hint}",
+            print(f"error: step {iter_num + 1}: {what} {', '.join(names[:3])}"
+                  f"{' and others' if len(names) > 3 else ''}: the loss does not depend on them as trained{hint}",
                   file=sys.stderr, flush=True)
         dist.barrier()
         sys.exit(2)
@@ -927,7 +939,7 @@ with profiler as prof:
             (loss * world_size / n_tokens).backward()
             loss_sum += loss.detach()
         if iter_num == start_iter and not optimizer_in_bwd:  # (optimizer_in_bwd steps and frees each gradient in backward)
-            check_gradients()
+            check_gradients(loss_sum)
         if not optimizer_in_bwd:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
             optimizers[0].step()

@@ -106,6 +106,11 @@ DETACHED_WEIGHTS = """import model
 fake_quantize = model.FusedFakeQuantizer.forward
 model.FusedFakeQuantizer.forward = lambda self, x: fake_quantize(self, x.detach() if isinstance(self.config.granularity, model.PerGroup) else x)"""
 
+# another: the fake quant's backward passes zero gradients, as the in-place form compiled by torch 2.11
+# did (pytorch/pytorch#180642), so that no weight trained on a GPU and nothing said so
+ZEROED_GRADIENTS = """import model, torch
+model._FakeQuantize.backward = staticmethod(lambda ctx, grad: (torch.zeros_like(grad), None, None, None, None))"""
+
 
 # runs a script several times in one interpreter, so torch and torchao are imported once
 _DRIVER = r"""

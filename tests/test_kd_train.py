@@ -290,6 +290,26 @@ def test_kd_ratio_zero_equals_ce_training(setup, tmp_path):
     assert sorted(p for g in kd_ckpt["optimizer"]["param_groups"] for p in g["params"]) == sorted(student_params)
 
 
+def test_compiled_step_equals_eager(setup, tmp_path):
+    # compile=True (each block, and the loss chunks: the student's log-probabilities and the forward
+    # KL in one autograd.Function) computes what eager does, its gradient included: a gradient sent
+    # to the wrong output (torch 2.11's compiled autograd.Function, pytorch/pytorch#180642) would
+    # part the later steps' losses and the final weights
+    common = dict(TRAIN, data_dir=setup["masked"], init_from=setup["student"], teacher_init=setup["teacher"])
+    eager, compiled = dict(common, out_dir=str(tmp_path / "eager")), dict(common, out_dir=str(tmp_path / "compiled"), compile=True)
+    run_in_one_process([("kd_train.py", eager), ("kd_train.py", compiled)], tmp_path)
+    logs = [train_lines(read_log(c["out_dir"])) for c in (eager, compiled)]
+    assert [r["iter"] for r in logs[0]] == [r["iter"] for r in logs[1]] == [1, 2, 3]
+    for a, b in zip(*logs):
+        for key in ("class_loss", "kd_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), (a["iter"], key)
+    final = [weights(os.path.join(c["out_dir"], "ckpt.pt")) for c in (eager, compiled)]
+    start = weights(setup["student"])
+    for k in final[0]:
+        moved = (final[0][k] - start[k]).abs().max()
+        assert (final[1][k] - final[0][k]).abs().max() <= 1e-3 * moved + 1e-6, k
+
+
 def test_qad_weights_no_gradient_reaches_stop_the_run(setup, tmp_path):
     # as in qat_train.py: a weight without a gradient, which AdamW would pass over, stops the first step
     r = run_patched("kd_train.py", DETACHED_WEIGHTS, env=ENV, **TRAIN, data_dir=setup["data"], init_from=setup["student"],

@@ -29,7 +29,7 @@ from torchao.quantization import (  # noqa: E402
 from torchao.quantization.qat import QATConfig  # noqa: E402
 
 from configurator import TRAINING_ONLY  # noqa: E402
-from conftest import DETACHED_WEIGHTS, command, make_data, read_log, run, run_early_exits, run_patched, script_env  # noqa: E402
+from conftest import DETACHED_WEIGHTS, ZEROED_GRADIENTS, command, make_data, read_log, run, run_early_exits, run_patched, script_env  # noqa: E402
 from model import IGNORE_INDEX, ModelArgs, Transformer, initial_scales, learn_scales  # noqa: E402
 
 SCRIPT = "qat_train.py"
@@ -449,6 +449,11 @@ def test_weights_no_gradient_reaches_stop_the_run(data, tmp_path):
                                            r"layers\.0\.attention\.wk\.weight, layers\.0\.attention\.wv\.weight and others: "
                                            r"the loss does not depend on them as trained\n", r.stderr), r.stderr[-2000:]
     assert not (tmp_path / "one" / "ckpt.pt").exists()
+    # gradients that reach every weight as zeros: AdamW would move them by weight decay alone
+    r = run_patched(SCRIPT, ZEROED_GRADIENTS, **qat, out_dir=tmp_path / "zero")
+    assert r.returncode == 2 and re.search(r"error: step 1: the gradient was zero everywhere for tok_embeddings\.weight, "
+                                           r"layers\.0\.attention\.wq\.weight, layers\.0\.attention\.wk\.weight and others: "
+                                           r"the loss does not depend on them as trained\n", r.stderr), r.stderr[-2000:]
     # while fake quant is off the same fault is no fault (the weights pass unquantized), nor are learned scales without gradients
     r = run_patched(SCRIPT, DETACHED_WEIGHTS, **dict(qat, fake_quant_after_n_steps=N, range_learning=True, max_iters=N),
                     out_dir=tmp_path / "off")

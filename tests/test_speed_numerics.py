@@ -73,7 +73,10 @@ def test_fused_fake_quant_matches_torchao(dtype, scheme):
     assert torch.equal(ref(tokens), fast(tokens))
 
 
-def test_compiled_block_is_one_graph_and_computes_what_eager_does():
+@pytest.mark.parametrize("bool_mask", [False, True])
+def test_compiled_block_is_one_graph_and_computes_what_eager_does(bool_mask, monkeypatch):
+    # bool_mask: the clamp masks as a GPU keeps them, bools (a CPU keeps the difference)
+    monkeypatch.setattr(model, "_mask_as_difference", lambda x: not bool_mask)
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
     torch.manual_seed(0)
     block = TransformerBlock(args)
