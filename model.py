@@ -521,19 +521,33 @@ def check_quantizable(args, group_size, quant_skip, quantize_embedding=False):
     return quant_skip
 
 
+def _round_to(t, dtype):
+    """float32 t rounded to dtype's precision (to nearest, ties to even), kept in float32: where eager
+    rounds a bfloat16 op's result, compiled code must too, and torch 2.11's Inductor drops a
+    .to(bfloat16) that a .float() follows (2.13's emulate_precision_casts keeps it). Integer
+    arithmetic on the bits, which no compiler elides."""
+    if dtype == torch.float32:
+        return t
+    assert dtype == torch.bfloat16, dtype
+    bits = t.view(torch.int32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).view(torch.float32)
+
+
 def _qparams(x, qmin, qmax, eps, symmetric):
     """torchao's choose_qparams_affine (int grid; symmetric with zero point 0, or asymmetric)
     over the last dim of x, a token or a group, in x's dtype. Min and max are found in fp32 (exact
     for bf16 values): ATen's bf16 reductions over short groups, and its torch.aminmax in any dtype,
-    are several times slower than amin and amax over fp32."""
+    are several times slower than amin and amax over fp32. The ops after them run in fp32, each
+    rounded where x's dtype rounds it (_round_to says why)."""
     xf = x.float()
-    lo, hi = xf.amin(-1, keepdim=True).to(x.dtype).clamp(max=0), xf.amax(-1, keepdim=True).to(x.dtype).clamp(min=0)
+    lo, hi = xf.amin(-1, keepdim=True).clamp(max=0), xf.amax(-1, keepdim=True).clamp(min=0)
     eps = torch.finfo(x.dtype).smallest_normal if eps is None else eps
+    r = lambda t: _round_to(t, x.dtype)  # noqa: E731
     if symmetric:
-        scale = (torch.max(-lo, hi) / (float(qmax - qmin) / 2)).clamp(min=eps)
+        scale = r(torch.max(-lo, hi) / (float(qmax - qmin) / 2)).clamp(min=eps).to(x.dtype)
         return scale, torch.zeros_like(scale)
-    scale = ((hi - lo) / float(qmax - qmin)).clamp(min=eps)
-    return scale, (qmin - torch.round(lo / scale)).clamp(qmin, qmax)
+    scale = r(r(hi - lo) / float(qmax - qmin)).clamp(min=eps)
+    return scale.to(x.dtype), (qmin - torch.round(r(lo / scale))).clamp(qmin, qmax).to(x.dtype)
 
 
 def _mask_as_difference(x):
@@ -549,20 +563,24 @@ class _FakeQuantize(torch.autograd.Function):
     # held, as torchao's, and needs only that mask
     @staticmethod
     def forward(ctx, x, scale, zero_point, qmin, qmax):
-        zero_point = zero_point.to(torch.promote_types(x.dtype, scale.dtype))  # integers, which it holds exactly
+        ct = torch.promote_types(x.dtype, scale.dtype)  # the dtype torchao computes in
+        zero_point = zero_point.to(ct)  # integers, which it holds exactly
         if torch.compiler.is_compiling():
             # out of place, and no .to() that returns its input: torch 2.11's dynamo sends the
             # gradient of an autograd.Function whose output is also one of its intermediates (the
             # result of an in-place op, or of such a .to()) to another output, and every input's
             # gradient is zero (pytorch/pytorch#180642): compiled QAT on an H100 trained no weight,
-            # and nothing said so. Inductor fuses the passes anyway
-            q = torch.round(x * (1.0 / scale)) + zero_point
+            # and nothing said so. Inductor fuses the passes anyway. In fp32, each op rounded where
+            # eager's rounds (_round_to says why)
+            r = lambda t: _round_to(t, ct)  # noqa: E731
+            s, zero_point = scale.float(), zero_point.float()
+            q = torch.round(r(x.float() * r(1.0 / s))) + zero_point
             clamped = q.clamp(qmin, qmax)
             # where the clamp moved q the gradient stops: there q - clamped is a nonzero integer
             clipped = q - clamped
             # as a difference, backward multiplies by 1 - min(|difference|, 1)
             ctx.save_for_backward(clipped if _mask_as_difference(x) else clipped != 0)
-            out = (clamped - zero_point) * scale
+            out = (clamped - zero_point) * s
             return out if out.dtype == x.dtype else out.to(x.dtype)
         # eager: in place, fewer passes over memory
         q = x * (1.0 / scale)
