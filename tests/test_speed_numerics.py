@@ -73,18 +73,24 @@ def test_fused_fake_quant_matches_torchao(dtype, scheme):
     assert torch.equal(ref(tokens), fast(tokens))
 
 
-@pytest.mark.parametrize("bool_mask", [False, True])
-def test_compiled_block_is_one_graph_and_computes_what_eager_does(bool_mask, monkeypatch):
-    # bool_mask: the clamp masks as a GPU keeps them, bools (a CPU keeps the difference)
-    monkeypatch.setattr(model, "_mask_as_difference", lambda x: not bool_mask)
+CUDA = pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU (.ci/gpu runs it)"))
+
+
+@pytest.mark.parametrize("device, bool_mask", [("cpu", False), ("cpu", True), CUDA])
+def test_compiled_block_is_one_graph_and_computes_what_eager_does(device, bool_mask, monkeypatch):
+    # bool_mask: the clamp masks as a GPU keeps them, bools (a CPU keeps the difference); on a GPU,
+    # its own choice
+    if bool_mask is not None:
+        monkeypatch.setattr(model, "_mask_as_difference", lambda x: not bool_mask)
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
     torch.manual_seed(0)
     block = TransformerBlock(args)
     quantize_(block, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int2, weight_granularity=PerGroup(32)),
                                step="prepare"), filter_fn=lambda mod, path: isinstance(mod, nn.Linear))
     fuse_fake_quant(block)
-    cos, sin = rope_tables(args.dim // args.n_heads, 16, args.rope_theta)
-    x = torch.randn(2, 16, 64)
+    block.to(device)
+    cos, sin = (t.to(device) for t in rope_tables(args.dim // args.n_heads, 16, args.rope_theta))
+    x = torch.randn(2, 16, 64).to(device)
     explained = torch._dynamo.explain(block)(x, cos, sin)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     # compiled too, wq, wk, wv (and w1, w3) share their input's fake quant: 4 inputs and 7 weights
@@ -94,7 +100,7 @@ def test_compiled_block_is_one_graph_and_computes_what_eager_does(bool_mask, mon
     # them to ATen to store): a wrong mask would pass or stop the gradient of whole weights
     compiled = copy.deepcopy(block)
     compiled.compile()
-    grad = torch.randn(2, 16, 64)
+    grad = torch.randn(2, 16, 64).to(device)
     for m in (block, compiled):
         m(x, cos, sin).backward(grad)
     for (name, p), p_compiled in zip(block.named_parameters(), compiled.parameters()):
@@ -103,14 +109,18 @@ def test_compiled_block_is_one_graph_and_computes_what_eager_does(bool_mask, mon
         assert (p_compiled.grad == 0).sum() == stopped and (stopped > 0 or "norm" in name), name
 
 
-def test_compiled_bfloat16_fake_quant_rounds_as_eager():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA.marks)])
+def test_compiled_bfloat16_fake_quant_rounds_as_eager(device):
     # inductor would keep a bf16 scale in fp32 inside its fused kernel (7% of the int8 activation codes
-    # a level off); model.py has it round where eager, torchao and the conversion do
+    # a level off; on torch 2.11 too with emulate_precision_casts); model.py has it round where eager,
+    # torchao and the conversion do. The QAT configs' weight scales are in the model's dtype (None)
     from torchao.quantization.qat import IntxFakeQuantizeConfig
     torch.manual_seed(0)
     x, w = torch.randn(64, 256).to(torch.bfloat16), (torch.randn(64, 256) * 0.02).to(torch.bfloat16)
+    x, w = x.to(device), w.to(device)
     for config, t in ((IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False), x),
-                      (IntxFakeQuantizeConfig(torch.int4, PerGroup(32), is_symmetric=True), w)):
+                      (IntxFakeQuantizeConfig(torch.int4, PerGroup(32), is_symmetric=True), w),
+                      (IntxFakeQuantizeConfig(torch.int4, PerGroup(32), is_symmetric=True, scale_precision=None), w)):
         fq = model.FusedFakeQuantizer(config)
         assert torch.equal(torch.compile(fq)(t), fq(t)), config
 
