@@ -73,10 +73,10 @@ def test_fused_fake_quant_matches_torchao(dtype, scheme):
     assert torch.equal(ref(tokens), fast(tokens))
 
 
-CUDA = pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU (.ci/gpu runs it)"))
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU (.ci/gpu runs it)")
 
 
-@pytest.mark.parametrize("device, bool_mask", [("cpu", False), ("cpu", True), CUDA])
+@pytest.mark.parametrize("device, bool_mask", [("cpu", False), ("cpu", True), pytest.param("cuda", None, marks=NEEDS_GPU)])
 def test_compiled_block_is_one_graph_and_computes_what_eager_does(device, bool_mask, monkeypatch):
     # bool_mask: the clamp masks as a GPU keeps them, bools (a CPU keeps the difference); on a GPU,
     # its own choice
@@ -109,7 +109,7 @@ def test_compiled_block_is_one_graph_and_computes_what_eager_does(device, bool_m
         assert (p_compiled.grad == 0).sum() == stopped and (stopped > 0 or "norm" in name), name
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA.marks)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_GPU)])
 def test_compiled_bfloat16_fake_quant_rounds_as_eager(device):
     # inductor would keep a bf16 scale in fp32 inside its fused kernel (7% of the int8 activation codes
     # a level off; on torch 2.11 too with emulate_precision_casts); model.py has it round where eager,
