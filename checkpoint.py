@@ -504,7 +504,10 @@ def _load_nanotune(file):
         raise ValueError(NOT_A_CHECKPOINT.format(file))
     # scales learned by range_learning are training state, which the scripts take from the file
     # themselves: the model is its weights
-    return ModelArgs.from_dict(ckpt["model_args"]), weights_only(ckpt["model"])
+    try:
+        return ModelArgs.from_dict(ckpt["model_args"], strict=True), weights_only(ckpt["model"])
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
 
 
 def _load_meta(path, weights=True):

@@ -861,7 +861,7 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
         raise DataPrepError(f"--block_size must be at least 2, got {block_size}")
     if long_samples not in ("truncate", "skip"):
         raise DataPrepError(f"--long_samples must be 'truncate' or 'skip', got {long_samples!r}")
-    num_proc = num_proc or min(os.cpu_count() or 1, 8)
+    num_proc = min(os.cpu_count() or 1, 8) if num_proc is None else num_proc
     if num_proc < 1:
         raise DataPrepError(f"--num_proc must be at least 1, got {num_proc}")
     if tokenizer is not None:
@@ -1103,7 +1103,7 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="data_prep.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", metavar="PATH",
+    parser.add_argument("--input", nargs="+", action="extend", metavar="PATH",
                         help="text files, folders (recursive), .jsonl and .json files; default: the Python stdlib")
     parser.add_argument("--out_dir", help="output folder; default data/stdlib without --input")
     vocab = parser.add_mutually_exclusive_group()

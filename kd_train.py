@@ -374,7 +374,10 @@ if init_from == "resume":
     # our own checkpoint: model (adapters included), optimizer and position
     ckpt = torch.load(os.path.join(sharded_from, "state.pt") if sharded_from else resume_path,
                       map_location="cpu", mmap=True, weights_only=True)
-    model_args, init_state = ModelArgs.from_dict(ckpt["model_args"]), ckpt.get("model")  # sharded: read later
+    try:
+        model_args, init_state = ModelArgs.from_dict(ckpt["model_args"], strict=True), ckpt.get("model")  # sharded: read later
+    except ValueError as e:
+        fail(f"{resume_path}: {e}")
     source_stops, generation = source_stop_ids(resume_path, ckpt), source_generation(resume_path, ckpt)
     try:  # these decide which batches a step sees, what is trained, or what the weights were trained for (the
         # teacher by its bytes, below, not its path, which may differ between nodes; quant_skip as normalized)

@@ -80,6 +80,9 @@ class ModelArgs:
             if self.dim % self.n_heads:
                 raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
             self.head_dim = self.dim // self.n_heads
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} is odd, and RoPE rotates pairs of dimensions: choose dim and n_heads "
+                             f"so that dim / n_heads is even")
         if self.rope_scaling_factor is not None and not self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise ValueError(f"rope_low_freq_factor={self.rope_low_freq_factor} must be below "
                              f"rope_high_freq_factor={self.rope_high_freq_factor}")
@@ -107,8 +110,13 @@ class ModelArgs:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     @classmethod
-    def from_dict(cls, d):
+    def from_dict(cls, d, strict=False):
+        """ModelArgs from the fields of d, ignoring keys that are not fields; strict (a nanotune
+        checkpoint's own model_args) refuses them: another version's field may change the model."""
         names = {f.name for f in fields(cls)}
+        if strict and (unknown := sorted(d.keys() - names)):
+            raise ValueError(f"its model_args hold {unknown[0]}={d[unknown[0]]!r}, which this version of nanotune does "
+                             f"not know: it was written by another version, and would be built as a different model")
         return cls(**{k: v for k, v in d.items() if k in names})
 
 

@@ -235,7 +235,10 @@ if init_from == "scratch":
         fail(str(e))
 elif sharded_from:  # the small things now; every rank reads its shards once the model is sharded
     ckpt = torch.load(os.path.join(sharded_from, "state.pt"), map_location="cpu", weights_only=True)
-    model_args = ModelArgs.from_dict(ckpt["model_args"])
+    try:
+        model_args = ModelArgs.from_dict(ckpt["model_args"], strict=True)
+    except ValueError as e:
+        fail(f"{sharded_from}: {e}")
     if model_args.lora_rank:
         fail(f"{sharded_from} holds LoRA adapters, which are merged from a single file only; convert it with "
              f"{TO_SINGLE_FILE.format(sharded_from)} and give init_from={sharded_from + '.pt'!r}")

@@ -55,6 +55,8 @@ if dtype not in ("float32", "bfloat16"):
 if device != "cpu" and not (device.split(":")[0] == "cuda" and torch.cuda.is_available()):
     raise SystemExit(f"error: device={device!r} is not available here; use 'cpu' or, with a visible GPU, 'cuda'")
 
+if not os.path.exists(init_from):
+    raise SystemExit(f"error: init_from={init_from!r} does not exist")
 torch.manual_seed(seed)
 # the tokenizer first: a wrong one would print confident garbage after a long load
 ckpt_dir = init_from if os.path.isdir(init_from) else os.path.dirname(init_from) or "."
@@ -122,7 +124,7 @@ if export_pte:
     raise SystemExit(0)
 
 if start.startswith("FILE:"):
-    with open(start[5:], encoding="utf-8") as f:
+    with open(start[5:], encoding="utf-8-sig") as f:  # a BOM is no text, as data_prep.py reads files
         start = f.read()
 if tok.specials and (found := tok.specials.search(start)):  # a chat template's markers, or a BOS of the user's own
     print(f"warning: --start holds {found.group()!r}, a special token's text, which is encoded as plain text (as "

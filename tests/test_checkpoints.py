@@ -217,6 +217,10 @@ def test_nanotune_checkpoint(tmp_path):
         args2, sd = load_checkpoint(str(path))
         assert args2 == args
         assert torch.equal(logits_of(args2, sd), model(TOKENS))
+    # another version's field, which could change the model this one would build: refused, not dropped
+    torch.save({**ckpt, "model_args": {**asdict(args), "qk_norm": True}}, tmp_path / "newer.pt")
+    with pytest.raises(ValueError, match=r"newer\.pt: its model_args hold qk_norm=True, which this version"):
+        load_checkpoint(str(tmp_path / "newer.pt"))
     torch.save({**ckpt, "config": {"obj": object()}}, tmp_path / "unsafe.pt")
     with pytest.raises(ValueError, match="plain Python values"):
         load_checkpoint(str(tmp_path / "unsafe.pt"))

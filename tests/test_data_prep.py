@@ -222,6 +222,20 @@ def test_two_runs_are_identical(corpus, tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
+def test_input_given_twice_reads_both(corpus, tmp_path, capsys):
+    # --input a --input b is a and b, as --input a b; argparse's default keeps the last one alone
+    root, _ = corpus
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "extra.txt").write_text("a file only the second --input holds\n" * 40)
+    meta = prepare([root, tmp_path / "more"], tmp_path / "one", vocab_size=VOCAB, num_proc=1)
+    data_prep.main(["--input", str(root), "--input", str(tmp_path / "more"), "--out_dir", str(tmp_path / "two"),
+                    "--vocab_size", str(VOCAB), "--num_proc", "1"])
+    for name in sorted(os.listdir(tmp_path / "one")):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    alone = prepare([root], tmp_path / "alone", vocab_size=VOCAB, num_proc=1)  # the second input adds a document
+    assert meta["train_docs"] + meta["val_docs"] == alone["train_docs"] + alone["val_docs"] + 1
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_num_proc_2_matches_num_proc_1(packed, corpus, tmp_path, monkeypatch):
     root, _ = corpus
@@ -476,6 +490,7 @@ def test_killed_runs_temp_folder_is_named(corpus, tmp_path, capsys):
     ("both_vocab_and_tokenizer", r"not both"),
     ("val_fraction", r"--val_fraction must be between 0 and 1"),
     ("long_samples", r"--long_samples must be 'truncate' or 'skip'"),
+    ("num_proc_zero", r"--num_proc must be at least 1, got 0"),
 ])
 def test_errors(case, message, corpus, tmp_path, monkeypatch):
     root, _ = corpus
@@ -521,10 +536,11 @@ def test_errors(case, message, corpus, tmp_path, monkeypatch):
         "both_vocab_and_tokenizer": dict(tokenizer=tmp_path / "fake.model"),
         "val_fraction": dict(val_fraction=1.0),
         "long_samples": dict(long_samples="drop"),
+        "num_proc_zero": dict(num_proc=0),
     }.get(case, {}))
     out = tmp_path / "out"
     with pytest.raises(DataPrepError, match=message):
-        prepare(inputs, out, num_proc=1, **kw)
+        prepare(inputs, out, **{"num_proc": 1, **kw})
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp folder left
 

@@ -475,6 +475,11 @@ def test_resume_refuses_another_objective_or_teacher(parity_runs, setup, tmp_pat
     out = shutil.copytree(parity_runs["resumed"], tmp_path / "resumed")
     r = run("kd_train.py", check=False, env=ENV, **dict(common, out_dir=str(out), kd_temperature=2.0))
     assert r.returncode == 2 and "was trained with kd_temperature=1.5; resume with the same settings" in r.stderr, r.stderr
+    # a field of another version's model_args, which could build another model: refused, not dropped
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    torch.save({**ckpt, "model_args": {**ckpt["model_args"], "qk_norm": True}}, out / "ckpt.pt")
+    r = run("kd_train.py", check=False, env=ENV, **dict(common, out_dir=str(out)))
+    assert r.returncode == 2 and "its model_args hold qk_norm=True, which this version" in r.stderr, r.stderr
     teacher = tmp_path / "teacher.pt"
     shutil.copyfile(setup["teacher"], teacher)
     run("kd_train.py", env=ENV, **dict(common, out_dir=str(tmp_path / "t"), init_from=setup["student"],

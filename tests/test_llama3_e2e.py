@@ -218,6 +218,16 @@ def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):
             temperature=0.0)
     assert re.search(r"tokens in [0-9.]+ s(, [0-9.]+ tokens/s after the first|, too few to time)", r.stdout), r.stdout
     assert "computing in float32" in r.stdout
+    # a prompt file saved with a byte-order mark reads as its text, as data_prep.py reads files
+    (tmp_path / "prompt.txt").write_text("\ufeffdef f(x):", encoding="utf-8")
+    r2 = run("sample.py", init_from=str(out / "ckpt.pt"), start=f"FILE:{tmp_path / 'prompt.txt'}", num_samples=1,
+             max_new_tokens=5, temperature=0.0)
+    def text(r):  # what was sampled, the prompt included
+        return r.stdout.split("computing in float32\n")[1].split("---------------")[0]
+    assert text(r2) == text(r) and text(r).startswith("def f(x):"), (text(r2), text(r))
+    # a checkpoint that is not there: one line
+    r = run("sample.py", check=False, init_from=str(out / "typo.pt"))
+    assert r.returncode != 0 and r.stderr.strip() == f"error: init_from={str(out / 'typo.pt')!r} does not exist", r.stderr[-2000:]
     # settings the run would not read, and a negative temperature (configurator.py's check), which would draw
     # the least likely tokens
     for bad, said in ((dict(temperature=0.0, top_k=5), "temperature=0 is greedy and draws nothing: top_k not read"),

@@ -447,6 +447,10 @@ def test_model_args_validation():
     args = ModelArgs(dim=32, n_heads=4, lora_targets=["wq", "output"])
     assert args.lora_targets == ("wq", "output") and args.n_kv_heads == 4
     assert ModelArgs.from_dict(dict(dim=32, n_heads=4, unknown_key=1)).dim == 32
+    with pytest.raises(ValueError, match="unknown_key=1, which this version of nanotune does not know"):
+        ModelArgs.from_dict(dict(dim=32, n_heads=4, unknown_key=1), strict=True)
+    with pytest.raises(ValueError, match="head_dim=5 is odd"):  # RoPE would fail at the first forward
+        ModelArgs(dim=20, n_heads=4)
 
 
 @pytest.mark.parametrize("name, flops", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
