@@ -797,6 +797,8 @@ def merge_lora(state_dict, args: ModelArgs):
         if k.endswith(".base.weight"):
             prefix = k[: -len("base.weight")]
             a, b = state_dict[prefix + "lora_a"], state_dict[prefix + "lora_b"]
+            if a.shape[0] != args.lora_rank:  # the scale is alpha / rank: another rank would merge at another scale
+                raise ValueError(f"{prefix}lora_a has rank {a.shape[0]}, but the args say lora_rank={args.lora_rank}")
             v = (v.float() + scale * (b.float() @ a.float())).to(v.dtype)
             k = prefix + "weight"
         out[k] = v

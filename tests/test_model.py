@@ -297,6 +297,8 @@ def test_merge_lora_matches_lora_model(targets):
         out = lora(tokens)
         assert not torch.allclose(out, base(tokens), atol=1e-3)
         torch.testing.assert_close(merged.eval()(tokens), out, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="has rank 4, but the args say lora_rank=0"):  # would merge at alpha / 1
+        merge_lora(lora.state_dict(), base_args)
 
 
 def test_mark_only_lora_trainable_updates_only_adapters():
