@@ -81,8 +81,8 @@ class ModelArgs:
                 raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
             self.head_dim = self.dim // self.n_heads
         if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} is odd, and RoPE rotates pairs of dimensions: choose dim and n_heads "
-                             f"so that dim / n_heads is even")
+            raise ValueError(f"head_dim={self.head_dim} is odd, and RoPE rotates pairs of dimensions: give an even head_dim "
+                             f"(without one, dim / n_heads)")
         if self.rope_scaling_factor is not None and not self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise ValueError(f"rope_low_freq_factor={self.rope_low_freq_factor} must be below "
                              f"rope_high_freq_factor={self.rope_high_freq_factor}")

@@ -222,7 +222,7 @@ def test_two_runs_are_identical(corpus, tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
-def test_input_given_twice_reads_both(corpus, tmp_path, capsys):
+def test_input_given_twice_reads_both(corpus, tmp_path):
     # --input a --input b is a and b, as --input a b; argparse's default keeps the last one alone
     root, _ = corpus
     (tmp_path / "more").mkdir()
