@@ -477,7 +477,7 @@ def train_tokenizer(sentences, vocab_size):
             model_writer=model,
             model_type="bpe",
             vocab_size=vocab_size,
-            byte_fallback=True,  # any byte encodes, so no <unk> and every text decodes back exactly
+            byte_fallback=True,  # any byte encodes, so no <unk>; every text decodes back exactly but "\u2581" (a space)
             character_coverage=0.9995,  # rare characters go to bytes rather than taking vocabulary
             normalization_rule_name="identity",  # text, code and whitespace come back unchanged
             remove_extra_whitespaces=False,
@@ -555,12 +555,14 @@ def list_files(inputs, left_out=None):
                         left_out.append(path)
         for path, key in found:
             # a file read twice is split twice, by two keys: one copy could land in val, the other in train.
-            # Within a folder it is a link to a file beside it (README.md -> docs/index.md): read once
-            if (real := os.path.realpath(path)) in seen and seen[real][1] != inp:
-                raise DataPrepError(f"--input reaches {real} twice (as {seen[real][0]} and {path}); its copies would be "
-                                    f"split apart, val leaking into train: give each file once")
-            if real not in seen:
-                seen[real] = path, inp
+            # Within a folder it is a link to a file beside it (README.md -> docs/index.md): read once. A file
+            # is known by its device and inode, which a symbolic link and a hard link share
+            st = os.stat(path)
+            if (ident := (st.st_dev, st.st_ino)) in seen and seen[ident][1] != inp:
+                raise DataPrepError(f"--input reaches {os.path.realpath(path)} twice (as {seen[ident][0]} and {path}); its "
+                                    f"copies would be split apart, val leaking into train: give each file once")
+            if ident not in seen:
+                seen[ident] = path, inp
                 files.append((path, key))
     return files
 
@@ -888,6 +890,7 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
     skipped = []
     sizes, hashes, cuttable = array("q"), array("d"), bytearray()  # per document
     n_units = 0
+    meta_space = []  # documents holding "\u2581", which SentencePiece reads as its sign for a space
     packed = long_text = None
     with tempfile.TemporaryFile("w+", encoding="utf-8", newline="\n") as sample:  # lines end at "\n" only
         sample_chars = 0
@@ -906,6 +909,8 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
             elif long_text is None:
                 long_text = key
             sizes[-1] += len(prompt or "") + len(text)
+            if ("\u2581" in text or prompt and "\u2581" in prompt) and meta_space[-1:] != [key]:
+                meta_space.append(key)
             if tokenizer is None and sample_chars < SAMPLE_CHARS and (
                     not sample_chars or unit_hash("sample:" + key) < sample_rate):
                 for part in (prompt, text):
@@ -921,9 +926,10 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
         if packed and long_text is not None:
             raise DataPrepError(f"{long_text} is over {DOC_CHARS:,} characters: too long for one sample of packed "
                                 f"prompt/response data; give it as JSONL records, or prepare it apart")
-        if block_size is not None and not packed:
-            raise DataPrepError("--block_size packs prompt/response samples, and this input has none; "
-                                "leave it out for plain text (a flat token stream)")
+        if (block_size is not None or long_samples != "truncate") and not packed:
+            raise DataPrepError(f"{'--block_size packs' if block_size is not None else '--long_samples skip applies to'} "
+                                f"prompt/response samples, and this input has none; leave it out for plain text (a flat "
+                                f"token stream)")
         if tokenizer is None:
             sample.seek(0)
             model = train_tokenizer((line.removesuffix("\n") for line in sample), vocab_size)
@@ -1094,6 +1100,9 @@ def prepare(inputs=None, out_dir=None, vocab_size=None, tokenizer=None, val_frac
         print(f"warning: {n_specials:,} of the {n_pieces:,} documents or samples hold strings of the tokenizer's special "
               f"tokens (the first: {special!r}), encoded as plain text like the rest: a chat format written into the "
               f"data is learned as text, not as the special tokens a chat template puts there")
+    if meta_space and tok.decode(tok.encode("a\u2581b")) != "a\u2581b":
+        print(f"warning: {len(meta_space):,} documents or samples hold the character \u2581 (U+2581), which this "
+              f"SentencePiece tokenizer reads as a space: it is trained on and decodes as one ({first_few(meta_space)})")
     if not val_fraction / 2 <= meta["val_share"] <= 2 * val_fraction:
         print(f"warning: val holds {meta['val_share']:.2%} of the tokens, not near the asked {val_fraction:.2%}: "
               f"the input has too few documents to split finer; give more, or change --val_fraction")

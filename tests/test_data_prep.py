@@ -3,6 +3,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -130,11 +131,13 @@ def test_counts_match_files(corpus, tmp_path, capsys):
 
 
 def test_link_in_a_folder_is_read_once_and_a_bom_is_not_text(corpus, tmp_path):
-    # a symlink beside its target (README.md -> docs/index.md) is one document, not two to split apart
+    # a symlink beside its target (README.md -> docs/index.md) is one document, not two to split apart;
+    # so is a hard link, whose path resolves to itself
     root, texts = corpus
     copy = tmp_path / "c"
     shutil.copytree(root, copy)
     (copy / "link.txt").symlink_to(copy / "doc1.txt")
+    os.link(copy / "doc2.txt", copy / "hard.txt")
     meta = prepare([copy], tmp_path / "out", vocab_size=VOCAB, num_proc=1)
     assert meta["train_docs"] + meta["val_docs"] - meta["cut_docs"] == len(texts)
     # a JSON array of records saved with a byte order mark parses as one
@@ -198,6 +201,18 @@ def test_val_share_holds_for_every_shape(shape, val_fraction, sp_model, tmp_path
     assert f"val share {meta['val_share']:.2%} (asked {val_fraction:.2%})" in capsys.readouterr().out
     if shape.startswith("one"):
         assert meta["cut_docs"] == 1
+
+
+def test_sentencepiece_meta_space_in_text_warns(sp_model, tmp_path, capsys):
+    # SentencePiece writes a space as "\u2581": a text holding that character trains and decodes as a space
+    texts = write_corpus(tmp_path / "corpus", n_files=20)
+    assert not any("\u2581" in t for t in texts.values())
+    prepare([tmp_path / "corpus"], tmp_path / "out", tokenizer=sp_model, num_proc=1)
+    assert "U+2581" not in capsys.readouterr().out
+    (tmp_path / "corpus" / "bar.txt").write_text("progress \u2581\u2582\u2583 done\n" * 3)
+    prepare([tmp_path / "corpus"], tmp_path / "out2", tokenizer=sp_model, num_proc=1)
+    assert re.search(r"warning: 1 documents or samples hold the character \u2581 \(U\+2581\), which this "
+                     r"SentencePiece tokenizer reads as a space.*\(.*bar\.txt\)", capsys.readouterr().out)
 
 
 def test_few_samples_warn_rather_than_empty_val(sp_model, tmp_path, capsys):
@@ -482,6 +497,7 @@ def test_killed_runs_temp_folder_is_named(corpus, tmp_path, capsys):
     ("json_bad_array", r"bad\.json starts like a JSON array of records but does not parse"),
     ("sft_without_block_size", r"sft\.jsonl:1 is a prompt/response sample: give --block_size N"),
     ("block_size_on_text", r"--block_size packs prompt/response samples, and this input has none"),
+    ("skip_on_text", r"--long_samples skip applies to prompt/response samples, and this input has none"),
     ("long_text_in_sft", r"long\.txt is over 100 characters: too long for one sample"),
     ("vocab_too_large", r"--vocab_size 5000 is too large for this corpus, which supports at most \d+"),
     ("vocab_too_small", r"--vocab_size 100 is too small"),
@@ -528,6 +544,7 @@ def test_errors(case, message, corpus, tmp_path, monkeypatch):
         (tmp_path / "long.txt").write_text("a line of text\n" * 30)
     kw.update({
         "block_size_on_text": dict(block_size=64),
+        "skip_on_text": dict(long_samples="skip"),
         "long_text_in_sft": dict(block_size=64),
         "vocab_too_large": dict(vocab_size=5000),
         "vocab_too_small": dict(vocab_size=100),
