@@ -78,7 +78,9 @@ HF_DEFAULTS = {"llama": dict(num_key_value_heads=None, max_position_embeddings=2
 HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0,
             "attention_dropout": 0.0,  # nanotune's attention has no dropout: training would differ
             "quantization_config": None, "layer_types": None, "num_local_experts": None, "num_experts": None,
-            "num_experts_per_tok": None, "n_routed_experts": None, "moe_intermediate_size": None}
+            "num_experts_per_tok": None, "n_routed_experts": None, "moe_intermediate_size": None,
+            # the weights file transformers 5 loads instead of model.safetensors; read here would be the other one
+            "transformers_weights": None}
 HF_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 NOT_A_CHECKPOINT = ("init_from={!r} is neither a nanotune checkpoint nor a Meta (params.json) or Hugging Face "
                     "(config.json) directory")
@@ -109,7 +111,9 @@ def load_checkpoint(path, weights=True):
 def checkpoint_digest(path, samples=64, chunk=1 << 16):
     """A sha256 over the checkpoint at path (a file, or each file of a directory): names, sizes and
     `samples` reads of `chunk` bytes spread evenly over each file. Another training of the same
-    shape differs in every weight, so in the reads; 4 MiB a file keeps it quick for an 8B model."""
+    shape differs in every weight, so in the reads; 4 MiB a file keeps it quick for an 8B model. A
+    change confined to a few rows (one layer retrained, new tokens' embeddings) can fall between the
+    reads and go unseen."""
     h = hashlib.sha256()
     if os.path.isfile(os.path.join(path, "ckpt.pt")):  # a run's out_dir: its checkpoint, not the logs and outputs beside it
         path = os.path.join(path, "ckpt.pt")

@@ -167,6 +167,8 @@ def test_mistral_sliding_window(tmp_path):
     (dict(attention_dropout=0.1), r"attention_dropout=0.1"),
     (dict(num_local_experts=8), r"num_local_experts=8"),
     (dict(quantization_config={"quant_method": "gptq"}), r"quantization_config="),
+    # transformers 5 loads the file it names, not model.safetensors beside it
+    (dict(transformers_weights="weights-v2.safetensors"), r"transformers_weights='weights-v2\.safetensors'"),
     (dict(sliding_window=4096), r"sliding_window=4096, which LlamaForCausalLM ignores"),
     (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)),
      r"rope_parameters.rope_type='yarn', which nanotune does not implement"),
