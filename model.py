@@ -26,6 +26,7 @@ import torch
 import torch._inductor.config
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 # torchao's import logs notes about GPU-only kernels and a torch deprecation: not the user's concern
@@ -725,6 +726,9 @@ def restart_scales(m):
     """Sets every learned scale of m from its layer's weights as they are now: when fake quant
     starts after full-precision steps, the weights have moved since the scales were set; on FSDP
     shards too, each rank its own rows (local_rows)."""
+    for mod in m.modules():  # an evaluation leaves the root gathered: scales written there would be lost
+        if isinstance(mod, FSDPModule):
+            mod.reshard()
     for mod in m.modules():
         fq = getattr(mod, "weight_fake_quantizer", None)
         if isinstance(fq, LearnedScaleFakeQuantizer):

@@ -643,6 +643,17 @@ def test_range_learning_scales_survive_resume_and_conversion(train, data, tmp_pa
     assert losses(read_log(tmp_path / "ft_ckpt")) == losses(read_log(tmp_path / "ft_no_scales"))
 
 
+def test_scales_restart_whether_or_not_an_eval_ran_before(train, data):
+    # an evaluation (forward only) leaves FSDP's root (norm, output) gathered: scales restarted into
+    # that copy when fake quant starts would be dropped at the next reshard, and the output layer
+    # would train and convert on the scales of its first weights
+    rl = dict(QAT, quantizer="8da2w", range_learning=True)
+    quiet, evaluated = train(**rl), train(**rl, eval_interval=N)
+    assert any("val_loss" in r and r["iter"] == N for r in read_log(evaluated))
+    assert_same_losses(losses(read_log(evaluated)), losses(read_log(quiet)), rel=1e-6)
+    assert max_weight_diff(weights(evaluated), weights(quiet)) < 1e-6
+
+
 def test_resume_changes_the_schedule_only_when_told(data, tmp_path):
     out = tmp_path / "sched"
     settings = {**BASE, "data_dir": data, "out_dir": out}
