@@ -17,10 +17,11 @@ configure() once, before any expensive work:
 Arguments apply left to right, so later ones win. A positional argument is a Python file
 exec'd with the current settings in scope; the settings it assigns are copied back (modules,
 functions, classes and _private names it defines are ignored). A --key=value flag is split on
-the first "=" and its value parsed with ast.literal_eval, falling back to the raw string.
-Unknown keys and values whose type does not match the default are errors, and so are negative
-numbers (every numeric setting here is a count, a size, a rate or a seed) and zero for the
-settings named `positive`. -h/--help lists the settings. The master process prints the settings
+the first "=": a setting whose default is a str takes the text after it as given (quotes too),
+any other's is parsed with ast.literal_eval, falling back to the raw string. Unknown keys and
+values whose type does not match the default are errors, and so are negative numbers (every
+numeric setting here is a count, a size, a rate or a seed), infinite ones but for
+MAY_BE_INFINITE's, and zero for the settings named `positive`. -h/--help lists the settings. The master process prints the settings
 that differ from their defaults. apply_config() raises ConfigError (for tests); configure()
 prints it and exits 2.
 """
@@ -31,6 +32,7 @@ import difflib
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -71,8 +73,6 @@ def _convert(value, default, raw, where):
         return tuple(value)
     if type(default) is float and raw is not None and raw.strip().lower() in ("inf", "+inf", "-inf", "nan"):
         return float(raw)  # --grad_clip=inf: literal_eval knows no infinity
-    if type(default) is str and raw is not None:
-        return raw  # --out_dir=123 means the directory "123", --dtype=None the string "None"
     raise ConfigError(f"{where} expects {type(default).__name__} (default {default!r}), "
                       f"got {type(value).__name__} {value!r}")
 
@@ -80,6 +80,8 @@ def _convert(value, default, raw, where):
 def _check_range(key, value, positive):
     if type(value) not in (int, float):
         return
+    if math.isinf(value) and key not in MAY_BE_INFINITE:  # --temperature=1e400 is an overflow, not a setting
+        raise ConfigError(f"{key}={value!r} must be finite")
     if value != value or value < 0 or (key in positive and value == 0):
         need = "a positive number" if key in positive else "a number >= 0"
         raise ConfigError(f"{key}={value!r} must be {need}")
@@ -118,10 +120,13 @@ def apply_config(globals_dict, keys, argv=None, master_process=None, print_confi
             key, raw = arg[2:].split("=", 1)
             if key not in defaults:
                 raise _unknown(key, keys)
-            try:
-                value = ast.literal_eval(raw)
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                value = raw  # --init_from=resume: a bare word is a string
+            if type(defaults[key]) is str:  # text as given: --start='"""Doc."""' keeps its quotes
+                value = raw
+            else:
+                try:
+                    value = ast.literal_eval(raw)
+                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                    value = raw  # --teacher_init=path: a bare word is a string
             globals_dict[key] = _convert(value, defaults[key], raw, f"--{key}")
             assigned.add(key)
         else:
@@ -172,6 +177,9 @@ def configure(globals_dict, argv=None, print_config=True, positive=()):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
+
+# the settings whose infinity means something (no clipping); for any other it is refused
+MAY_BE_INFINITE = ("grad_clip",)
 
 # the settings that only a run with a quantizer reads (range_lr_ratio needs range_learning too)
 QUANTIZER_ONLY = ("group_size", "fake_quant_after_n_steps", "quantize_embedding", "quant_skip", "range_learning")

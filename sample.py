@@ -42,7 +42,7 @@ pte_max_seq_len = 0  # the program's KV cache, in positions; 0: the model's cont
 # -----------------------------------------------------------------------------
 from configurator import configure
 
-_, overridden = configure(globals())
+_, overridden = configure(globals(), positive=("num_samples", "max_new_tokens"))
 if "pte_max_seq_len" in overridden and not export_pte:
     raise SystemExit("error: pte_max_seq_len sizes the cache of the --export_pte program; give --export_pte=PATH, or drop it")
 if export_pte and (unread := [k for k in ("start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed")

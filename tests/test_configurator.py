@@ -74,7 +74,8 @@ def test_file_then_cli_later_wins_and_globals_updated(tmp_path):
     ("--betas=[0.8,0.9]", "betas", (0.8, 0.9)),
     ("--wandb_run_name=None", "wandb_run_name", None),
     ("--init_from=resume", "init_from", "resume"),        # not a literal: raw string
-    ("--init_from='gpt2 xl'", "init_from", "gpt2 xl"),   # a str literal is unquoted
+    ("--init_from='gpt2 xl'", "init_from", "'gpt2 xl'"), # a str setting's text as given, quotes too
+    ('--out_dir="""Doc."""  # x', "out_dir", '"""Doc."""  # x'),  # (sample.py's prompt) not parsed as Python
     ("--out_dir=123", "out_dir", "123"),                 # str default keeps the raw text
     ("--init_from=a=b", "init_from", "a=b"),             # split on the first "=" only
     ("--dropout=0", "dropout", 0.0),                     # int -> float
@@ -215,6 +216,10 @@ def test_infinity_for_float_settings():
     assert apply_config(g, ["grad_clip"], ["--grad_clip=inf"], print_config=False)["grad_clip"] == float("inf")
     with pytest.raises(ConfigError):
         apply_config({"grad_clip": 1.0}, ["grad_clip"], ["--grad_clip=infinite"], print_config=False)
+    # elsewhere infinity is an overflow or a slip (a temperature of inf samples noise), from a file too
+    for arg in ("--temperature=inf", "--temperature=1e400", "--learning_rate=-inf"):
+        with pytest.raises(ConfigError, match=r"(temperature|learning_rate)=-?inf must be finite"):
+            apply_config({"temperature": 0.8, "learning_rate": 1e-3}, ["temperature", "learning_rate"], [arg], print_config=False)
 
 
 def test_constants_are_not_settings():
