@@ -250,7 +250,8 @@ def speed(opt):
                                                        "quantizer": opt.quantizer, "group_size": opt.group_size}),
             ] if v[0][2] in kinds]
     times = {key: [] for key, _, _ in variants}  # seconds per timed step
-    mfus = {key: [] for key, _, _ in variants}
+    rates = {key: [] for key, _, _ in variants}  # FLOP/s per device as each run counts them (its MFU times its peak)
+    peaks = {dtype: 0.0 for dtype in opt.dtypes.split(",")}  # the highest peak any run of the dtype measured
     mems = {key: 0.0 for key, _, _ in variants}
     # what dynamo says of a compiled run (TORCH_LOGS): the graph breaks and the recompilations, with
     # their first reason; a compiled step is fast only as one graph per block shape, compiled once
@@ -262,14 +263,15 @@ def speed(opt):
     for r in range(opt.rounds):
         for key, script, args in variants:
             run_dir = os.path.join(out, "_".join(map(str, key)))
-            recs = [x for x in run(script, args, run_dir, env={"TORCH_LOGS": "graph_breaks,recompiles"} if key[1] else None)
+            recs = [x for x in run(script, args, run_dir, opt.nproc, env={"TORCH_LOGS": "graph_breaks,recompiles"} if key[1] else None)
                     if "loss" in x]
             if key[1]:
                 compiled[key] = dynamo_events(os.path.join(run_dir, "output.txt"))
             if r == 0:
                 untrained[key] = unchanged_weights(teacher_model, os.path.join(run_dir, "ckpt.pt"))
             times[key] += [tokens_step / x["tokens_per_sec"] for x in recs[opt.warmup:]]
-            mfus[key] += [x["mfu"] for x in recs[opt.warmup:]]
+            rates[key] += [x["mfu"] * x["peak_flops"] for x in recs[opt.warmup:]]
+            peaks[key[0]] = max(peaks[key[0]], *(x["peak_flops"] for x in recs))
             mems[key] = max(mems[key], recs[-1]["peak_mem_gib"])
             print(f"round {r + 1}/{opt.rounds} {'/'.join(map(str, key)):>22}: {1e3 * statistics.median(times[key]):8.1f} ms/step")
         if opt.nproc == 1 and "0" in opt.compile.split(",") and "kd" in kinds:  # the bound of the eager KD step
@@ -285,7 +287,7 @@ def speed(opt):
                 tps = tokens_step / t
                 res = dict(dtype=dtype, compile=bool(comp), step=kind, ms_per_step=1e3 * t, tokens_per_sec=tps,
                            tokens_per_sec_per_device=tps / opt.nproc, ratio_to_plain=t / plain,
-                           mfu=statistics.median(mfus[key]), peak_mem_gib=mems[key])
+                           mfu=statistics.median(rates[key]) / peaks[dtype], peak_mem_gib=mems[key])
                 if comp:
                     res |= compiled[key]
                 res["untrained"] = untrained[key]
@@ -321,7 +323,9 @@ def speed(opt):
               f"{opt.nproc} process(es) on {opt.device} ({device_name(opt.device)}, torch {torch.__version__}), "
               f"{opt.quantizer} g{opt.group_size}, "
               f"median of {opt.steps} steps x {opt.rounds} round(s) after {opt.warmup} warmup steps; "
-              f"KD's teacher has the student's shape (one extra forward, ~1.33x a plain step's FLOPs)\n\n"
+              f"KD's teacher has the student's shape (one extra forward, ~1.33x a plain step's FLOPs); MFU against the "
+              f"highest peak any run measured or was given, per device: "
+              f"{', '.join(f'{d} {p / 1e12:.3g} TFLOP/s' for d, p in peaks.items())}\n\n"
               + "\n".join(table) + "\n\n" + "\n".join(notes) + "\n")
     write(opt, "speed", report, {"options": vars(opt), "results": results})
 
@@ -977,6 +981,8 @@ if __name__ == "__main__":
     if "plain" not in steps_of or set(steps_of) - {"plain", "qat", "kd", "qad"} or len(set(steps_of)) < len(steps_of):
         p.error(f"--steps_of {opt.steps_of!r}: name each of plain (the reference, always), qat, kd, qad at most once")
     if opt.mode == "memory":
+        if opt.replicate_degree < 1 or opt.nproc % opt.replicate_degree:
+            p.error(f"--replicate_degree {opt.replicate_degree} must divide --nproc {opt.nproc}, as the scripts require")
         sys.exit(memory(opt))
     if opt.vocab_size is not None and opt.vocab_size < 2:
         p.error(f"--vocab_size {opt.vocab_size}: a vocabulary needs 2 tokens at least")

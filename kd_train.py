@@ -1416,7 +1416,7 @@ with profiler as prof:
                       "epoch": (iter_num - 1) // steps_per_epoch,
                       "grad_norm": grad_norm.full_tensor().item(),  # FSDP's gradients are DTensors, and so is their norm
                       "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world_size,
-                      "mfu": mfu, "peak_mem_gib": peak_memory_gib(), "fake_quant": fake_quant_on(iter_num - 1)}
+                      "mfu": mfu, "peak_flops": peak, "peak_mem_gib": peak_memory_gib(), "fake_quant": fake_quant_on(iter_num - 1)}
             log(record)
             pbar.set_postfix(loss=f"{loss_val:.4f}", ce=f"{class_loss:.4f}", kd=f"{kd_loss_val:.4f}",
                              tok_s=f"{tps:,.0f}", mfu=f"{mfu:.0%}")

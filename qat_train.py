@@ -972,7 +972,7 @@ with profiler as prof:
                       # FSDP's gradients are DTensors, and so is their norm
                       "grad_norm": None if optimizer_in_bwd else grad_norm.full_tensor().item(),
                       "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world_size,
-                      "mfu": mfu, "peak_mem_gib": peak_memory_gib(), "fake_quant": fake_quant_on(iter_num - 1)}
+                      "mfu": mfu, "peak_flops": peak, "peak_mem_gib": peak_memory_gib(), "fake_quant": fake_quant_on(iter_num - 1)}
             log(record)
             pbar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.1e}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.0%}")
         evaluating = iter_num % eval_interval == 0 or iter_num == max_iters

@@ -4,6 +4,7 @@ of the training scripts, and their figures agree with each other."""
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 
@@ -52,6 +53,29 @@ def test_speed_report(tmp_path):
     # (no timing compared: on a busy machine the forward alone can take longer than a step)
     assert note and float(note[1]) > 0 and float(note[2]) == pytest.approx(1 + float(note[1]) / plain["ms_per_step"], abs=0.01)
     assert float(note[3]) == round(res[2]["ratio_to_plain"], 2)
+    assert "MFU against the highest peak any run measured or was given, per device: float32 0.1 TFLOP/s" in text
+
+
+def test_speed_runs_as_many_processes_as_it_says(tmp_path):
+    # --nproc 2 times the scripts under torchrun, two ranks of a micro-batch each (not one process doing
+    # both); every row's MFU counts against one peak per dtype, the highest of those the runs measured
+    data = make_data(tmp_path / "data")
+    out = tmp_path / "out"
+    text = bench("speed", "--data_dir", data, "--out_dir", str(out), *SMALL, "--dtypes", "float32", "--compile", "0",
+                 "--steps_of", "plain,qat", "--nproc", "2", "--rounds", "1", "--steps", "2", "--warmup", "1")
+    runs = sorted((out / "speed").glob("float32_0_*"))
+    assert [r.name for r in runs] == ["float32_0_plain", "float32_0_qat"]
+    peaks = []
+    for r in runs:
+        assert re.search(r"2 process\(es\) on cpu, 256 tokens per step", (r / "output.txt").read_text())
+        peaks += [x["peak_flops"] for x in read_log(r) if "loss" in x]
+    peak = re.search(r"per device: float32 ([0-9.]+) TFLOP/s", text)
+    assert peak and float(peak[1]) == pytest.approx(max(peaks) / 1e12, rel=2e-3)
+    res = report(out, "speed")["results"]
+    for r, run in zip(res, runs):
+        rates = [x["mfu"] * x["peak_flops"] for x in read_log(run) if "loss" in x][1:]  # after the warmup step
+        assert r["mfu"] == pytest.approx(statistics.median(rates) / max(peaks), rel=1e-6)
+        assert r["tokens_per_sec_per_device"] == pytest.approx(r["tokens_per_sec"] / 2)
 
 
 def test_quality_report(tmp_path):
@@ -281,7 +305,9 @@ def test_dynamo_events_are_read_from_torchs_own_log(tmp_path):
                                         (["speed", "--vocab_size", "1"], "--vocab_size 1: a vocabulary needs 2 tokens"),
                                         (["quality", "--vocab_size", "300"], "quality does not read --vocab_size"),
                                         (["speed", "--preset", "torchtune", "--batch_size", "8"],
-                                         "--preset torchtune sets the shape torchtune was measured with; drop --batch_size")])
+                                         "--preset torchtune sets the shape torchtune was measured with; drop --batch_size"),
+                                        (["memory", "--nproc", "8", "--replicate_degree", "3"],
+                                         "--replicate_degree 3 must divide --nproc 8")])
 def test_options_a_mode_would_ignore_are_refused(args, says):
     # each mode names what it reads: a setting meant for another (quality's schemes, speed's quantizer) is one line
     r = subprocess.run([sys.executable, str(ROOT / "bench.py"), *args], cwd=ROOT, env=script_env(),
