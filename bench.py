@@ -412,6 +412,9 @@ def quality(opt):
             sys.exit(f"bench: {flag} {', '.join(own)}=... is not read; bench sets it for each run (its own options: "
                      f"--ft_iters, --batch_size, --block_size, --dtype, --group_size, --seeds, --qad_teacher; the grid's "
                      f"settings for PTQ, QAT and QAD alike: --quant_set)")
+    if other := sorted(k for k in settings(opt.quant_set)[0] if k not in ("quantize_embedding", "quant_skip")):
+        sys.exit(f"bench: --quant_set {', '.join(other)}=... is no setting of the grid (quantize_embedding, quant_skip): "
+                 f"PTQ, QAT and QAD would run under it and the full-precision reference not")
     ft_set, ft_name = settings(opt.ft_set)  # every finetune's, the plain one's too: named apart from the default's
     quant_set, quant_name = settings(opt.quant_set)
     learned = ["range_learning=True"] * bool(opt.range_learning)  # named, so that its runs never land on the others

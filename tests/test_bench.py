@@ -158,6 +158,8 @@ def test_quality_report(tmp_path):
                           ("--qat_set=group_size=64", "--qat_set group_size=... is not read"),
                           ("--qad_set=quant_skip=('output',)", "--qad_set quant_skip=... is not read"),
                           ("--qat_set=seed=0", "--qat_set seed=... is not read"),
+                          # the grid's settings are the grid's: a dtype there would leave the reference apart
+                          ("--quant_set=dtype=bfloat16", "--quant_set dtype=... is no setting of the grid"),
                           # QAD's reference alone would be no comparison
                           ("--methods=qat,kd", "run it with qad")):
         r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "quality", "--data_dir", data, "--out_dir", str(out),
