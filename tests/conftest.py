@@ -57,11 +57,12 @@ def make_data(path, vocab_size=256, train_tokens=8192, val_tokens=1536, seed=0, 
 
 
 def _flag(key, value):
-    # repr round-trips through the configurator's ast.literal_eval; inf has no literal but 1e999
+    # a text setting takes its text as given; other values' repr round-trips through the configurator's
+    # ast.literal_eval (inf has no literal but 1e999)
     if isinstance(value, float) and math.isinf(value):
         return f"--{key}={'-' if value < 0 else ''}1e999"
-    if isinstance(value, os.PathLike):
-        value = str(value)
+    if isinstance(value, (str, os.PathLike)):
+        return f"--{key}={value}"
     return f"--{key}={value!r}"
 
 
