@@ -972,6 +972,12 @@ def load_adapter(path, args):
         cfg = json.load(f)
     if cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise ValueError(f"{path} uses rsLoRA, DoRA or per-module ranks, which nanotune's LoRA does not implement")
+    # adapters on some layers alone, trained biases or whole modules saved beside them: read as nanotune's
+    # LoRA they would be another model
+    if odd := {k: cfg[k] for k in ("layers_to_transform", "layers_pattern", "modules_to_save") if cfg.get(k)} | (
+            {"bias": cfg["bias"]} if cfg.get("bias", "none") != "none" else {}):
+        raise ValueError(f"{path} sets {', '.join(f'{k}={v!r}' for k, v in odd.items())}, which nanotune's LoRA "
+                         f"does not implement (adapters on every layer, no biases, no other modules)")
     sd = {}
     for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items():
         m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", k)

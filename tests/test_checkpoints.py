@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict
@@ -288,6 +289,14 @@ def test_adapter_round_trip(tmp_path):
     expected = {k: v for k, v in sd.items() if k.endswith(("lora_a", "lora_b"))}
     assert adapter.keys() == expected.keys()
     assert all(torch.equal(adapter[k], expected[k]) for k in expected)
+    # a PEFT adapter on some layers alone, with biases or with whole modules saved is another model: refused
+    cfg_path = tmp_path / "adapter" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for odd, says in ((dict(layers_to_transform=[0]), "layers_to_transform=[0]"), (dict(bias="lora_only"), "bias='lora_only'"),
+                      (dict(modules_to_save=["lm_head"]), "modules_to_save=['lm_head']")):
+        cfg_path.write_text(json.dumps({**cfg, **odd}))
+        with pytest.raises(ValueError, match=re.escape(says) + r", which nanotune's LoRA does not implement"):
+            load_adapter(tmp_path / "adapter", args)
 
 
 def test_meta_tied_layout(tmp_path):
