@@ -21,9 +21,9 @@ the first "=": a setting whose default is a str takes the text after it as given
 any other's is parsed with ast.literal_eval, falling back to the raw string. Unknown keys and
 values whose type does not match the default are errors, and so are negative numbers (every
 numeric setting here is a count, a size, a rate or a seed), infinite ones but for
-MAY_BE_INFINITE's, and zero for the settings named `positive`. -h/--help lists the settings. The master process prints the settings
-that differ from their defaults. apply_config() raises ConfigError (for tests); configure()
-prints it and exits 2.
+MAY_BE_INFINITE's, and zero for the settings named `positive`. -h/--help lists the settings.
+The master process prints the settings that differ from their defaults. apply_config() raises
+ConfigError (for tests); configure() prints it and exits 2.
 """
 
 import ast
