@@ -721,14 +721,21 @@ def local_rows(mod):
     return tuple(t.to_local() if hasattr(t, "to_local") else t for t in (mod.weight, mod.weight_fake_quantizer.learned_scale))
 
 
+def reshard(m):
+    """Puts every FSDP module of m back on its shards. A forward leaves the root's parameters (norm,
+    output) gathered, as an evaluation's does: a write into the gathered copy would be lost at the
+    next reshard, and the shards the optimizer steps would keep the old values."""
+    for mod in m.modules():
+        if isinstance(mod, FSDPModule):
+            mod.reshard()
+
+
 @torch.no_grad()
 def restart_scales(m):
     """Sets every learned scale of m from its layer's weights as they are now: when fake quant
     starts after full-precision steps, the weights have moved since the scales were set; on FSDP
     shards too, each rank its own rows (local_rows)."""
-    for mod in m.modules():  # an evaluation leaves the root gathered: scales written there would be lost
-        if isinstance(mod, FSDPModule):
-            mod.reshard()
+    reshard(m)  # an evaluation may just have run
     for mod in m.modules():
         fq = getattr(mod, "weight_fake_quantizer", None)
         if isinstance(fq, LearnedScaleFakeQuantizer):

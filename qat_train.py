@@ -36,7 +36,7 @@ from torch.distributed._composable import checkpoint as activation_checkpoint
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tqdm import tqdm
 
 # torchao's import logs notes about GPU-only kernels and a torch deprecation: not the user's concern
@@ -52,7 +52,7 @@ from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_di
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, PRESETS, ModelArgs, Transformer, check_quantizable, flops_per_token, fuse_fake_quant,
                    LearnedScaleFakeQuantizer, gptq_, initial_scales, learn_scales, local_rows, merge_lora, peak_flops,
-                   restart_scales, weights_only)
+                   reshard, restart_scales, weights_only)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -827,9 +827,7 @@ def gptq_start():
                 bar.update(1)
         for h in hooks:
             h.remove()
-        for mod in model.modules():  # forward may leave parameters gathered (the root's always): rounded there, they would be lost
-            if isinstance(mod, FSDPModule):
-                mod.reshard()
+        reshard(model)  # the calibration's forwards left the root gathered: rounded there, it would be lost
         for m in stage:
             dist.all_reduce(hessians[m])
             w, s = local_rows(m)
