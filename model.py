@@ -220,8 +220,14 @@ def rope_tables(head_dim, max_seq_len, theta, device=None, scaling=None):
 def apply_rope(x, cos, sin):
     # Meta's layout: consecutive pairs (x0, x1), (x2, x3), ... are rotated together
     x = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
-    x0, x1 = x.unbind(-1)
     cos, sin = cos[..., None, :], sin[..., None, :]  # (T, 1, D/2), or (B, T, 1, D/2) per-token positions
+    if not torch.compiler.is_compiling():
+        # eager: each pair as a complex number times cos + i sin, one kernel each way with the same
+        # products and sums (bit for bit on x86 CPUs), 5-6x faster than the strided ops below on a
+        # CPU. Compiled code keeps those, which Inductor fuses with their neighbours (the complex form
+        # compiles to separate, slower kernels), and so does torch.export, which the .pte is traced by
+        return torch.view_as_real(torch.view_as_complex(x.contiguous()) * torch.complex(cos, sin)).flatten(-2)
+    x0, x1 = x.unbind(-1)
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
 
 

@@ -120,6 +120,38 @@ def test_attention_matches_reference(n_kv_heads, theta):
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_rope_eager_and_compiled_forms_agree(monkeypatch, dtype, per_token):
+    # eager rotates each pair as a complex number, compiled code (and torch.export) as the strided
+    # real products: the same products and sums, so values and gradients agree to the last bit on
+    # x86 CPUs (asserted to float rounding, which other CPUs' complex kernels may reach by FMA)
+    torch.manual_seed(0)
+    B, T, H, D = 3, 10, 4, 16
+    cos, sin = rope_tables(D, 64, 500000.0)
+    if per_token:  # a position per token, as packed documents give
+        pos = torch.randint(0, 64, (B, T))
+        cos, sin = cos[pos], sin[pos]
+    else:
+        cos, sin = cos[:T], sin[:T]
+    x = torch.randn(B, T, H, D, dtype=dtype, requires_grad=True)
+    grad = torch.randn(B, T, H, D)
+
+    def run():
+        y = M.apply_rope(x, cos, sin)
+        return y, torch.autograd.grad(y, x, grad)[0]
+
+    y_eager, g_eager = run()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    y_comp, g_comp = run()
+    assert y_eager.dtype == torch.float32 and g_eager.dtype == dtype
+    torch.testing.assert_close(y_eager, y_comp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g_eager, g_comp, **({"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}))
+    # and both rotate as Meta's reference does
+    if not per_token:
+        torch.testing.assert_close(y_eager, ref_rope(x.detach(), 500000.0), rtol=1e-5, atol=1e-5)
+
+
 def test_attention_is_causal():
     args = tiny_args()
     attn = Attention(args)
