@@ -226,7 +226,7 @@ def apply_rope(x, cos, sin):
         # products and sums (bit for bit on x86 CPUs), 5-6x faster than the strided ops below on a
         # CPU. Compiled code keeps those, which Inductor fuses with their neighbours (the complex form
         # compiles to separate, slower kernels), and so does torch.export, which the .pte is traced by
-        return torch.view_as_real(torch.view_as_complex(x.contiguous()) * torch.complex(cos, sin)).flatten(-2)
+        return torch.view_as_real(torch.view_as_complex(x.contiguous()) * torch.complex(cos.float(), sin.float())).flatten(-2)
     x0, x1 = x.unbind(-1)
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
 
