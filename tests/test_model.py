@@ -124,8 +124,8 @@ def test_attention_matches_reference(n_kv_heads, theta):
 @pytest.mark.parametrize("per_token", [False, True])
 def test_rope_eager_and_compiled_forms_agree(monkeypatch, dtype, per_token):
     # eager rotates each pair as a complex number, compiled code (and torch.export) as the strided
-    # real products: the same products and sums, so values and gradients agree to the last bit on
-    # x86 CPUs (asserted to float rounding, which other CPUs' complex kernels may reach by FMA)
+    # real products: the same products and sums, so values and gradients agree to the last bit on an
+    # AVX512 CPU (asserted to float rounding, which other CPUs' complex kernels may reach by FMA)
     torch.manual_seed(0)
     B, T, H, D = 3, 10, 4, 16
     cos, sin = rope_tables(D, 64, 500000.0)
