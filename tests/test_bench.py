@@ -70,7 +70,7 @@ def test_speed_runs_as_many_processes_as_it_says(tmp_path):
         assert re.search(r"2 process\(es\) on cpu, 256 tokens per step", (r / "output.txt").read_text())
         peaks += [x["peak_flops"] for x in read_log(r) if "loss" in x]
     peak = re.search(r"per device: float32 ([0-9.]+) TFLOP/s", text)
-    assert peak and float(peak[1]) == pytest.approx(max(peaks) / 1e12, rel=2e-3)
+    assert peak and peak[1] == f"{max(peaks) / 1e12:.3g}"  # as the report rounds it
     res = report(out, "speed")["results"]
     for r, run in zip(res, runs):
         rates = [x["mfu"] * x["peak_flops"] for x in read_log(run) if "loss" in x][1:]  # after the warmup step
