@@ -375,12 +375,24 @@ def _hf_tokenizer(path, data):
         return i
 
     bos_id, eos_id = special_id("bos_token"), special_id("eos_token")
+    # what the post-processor puts around a text, as transformers' encode does too
     ids, text_ids = tok.encode("a").ids, tok.encode("a", add_special_tokens=False).ids
-    if bos_id is None and len(ids) > len(text_ids) and ids[1:len(text_ids) + 1] == text_ids:
-        bos_id = ids[0]  # the post-processor puts a BOS before every text, though no config names it: as transformers does
+    at = next((k for k in range(len(ids) - len(text_ids) + 1) if ids[k:k + len(text_ids)] == text_ids), None)
+    before, after = (ids, []) if at is None else (ids[:at], ids[at + len(text_ids):])
+    if bos_id is None and len(before) == 1:
+        bos_id = before[0]  # the post-processor puts a BOS before every text, though no config names it: as transformers does
     if eos_id is None:
         raise DataPrepError(f"tokenizer {path} has no eos_token: put the tokenizer_config.json (or "
                             f"special_tokens_map.json) that names it beside it")
+    # the data holds each document as [BOS] text EOS: whatever else the post-processor adds, transformers
+    # would put into every prompt and training never saw
+    if at is None or before not in ([], [bos_id]) or after not in ([], [eos_id]):
+        names = lambda t: [tok.id_to_token(i) for i in t]  # noqa: E731
+        raise DataPrepError(f"tokenizer {path}'s post-processor puts {names(before)} before a text and {names(after)} "
+                            f"after it, where the data would hold each document as {names([bos_id] * (bos_id is not None))} "
+                            f"text {names([eos_id])} (the bos_token and eos_token its config names): transformers would "
+                            f"encode prompts otherwise than training saw them; make the post-processor add at most that "
+                            f"BOS before a text and that EOS after it, or name the BOS it adds as bos_token")
     # an added token not marked special is matched in text even so: a BOS or EOS of that kind would
     # turn "</s>" written in a document into the end of one. Marked special here (its id stays), it is text
     added = {t.content: t for t in tok.get_added_tokens_decoder().values()}
@@ -390,12 +402,19 @@ def _hf_tokenizer(path, data):
     # the post-processor decides whether a text starts with BOS, as in transformers 5 (and 4's
     # PreTrainedTokenizerFast, Llama 3's class); 4's LlamaTokenizerFast rebuilds it from add_bos_token
     # instead, so a config that says otherwise would train and deploy with different BOS
-    add_bos = bos_id is not None and ids[:1] == [bos_id]
+    add_bos = bos_id is not None and before == [bos_id]
     if config.get("add_bos_token", add_bos) != add_bos:
         raise DataPrepError(f"{os.path.dirname(path) or '.'}/tokenizer_config.json says add_bos_token "
                             f"{config['add_bos_token']}, yet {path}'s post-processor puts {'a' if add_bos else 'no'} BOS "
                             f"before a text; transformers 5 follows the post-processor, transformers 4's LlamaTokenizerFast "
                             f"the config: set add_bos_token to {str(add_bos).lower()} there so that both agree")
+    # a BOS or EOS that is an ordinary entry of the vocabulary, not an added token, is what the model
+    # makes of its string in text: a document would end wherever it holds "</s>"
+    for key, i in (("bos", bos_id if add_bos else None), ("eos", eos_id)):
+        if i is not None and i in tok.encode(tok.id_to_token(i), add_special_tokens=False).ids:
+            raise DataPrepError(f"{path} holds {key}_token {tok.id_to_token(i)!r} as an ordinary entry of its vocabulary, "
+                                f"not an added special token, so a document would {'start' if key == 'bos' else 'end'} "
+                                f"wherever its text holds that string; list it in the file's added_tokens with special: true")
     return Tokenizer("hf", [path] + extras, max(tok.get_vocab(with_added_tokens=True).values()) + 1,
                      bos_id if add_bos else None, eos_id,
                      lambda text: tok.encode(text, add_special_tokens=False).ids,

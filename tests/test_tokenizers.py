@@ -64,8 +64,10 @@ def write_hf(folder, config=None, template=True):
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(TEXTS.values(), trainer)
-    if template:  # BOS added by the tokenizer itself, as Llama 3's tokenizer.json does
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    if template:  # BOS added by the tokenizer itself, as Llama 3's tokenizer.json does; or the template given
+        template = "<s> $A" if template is True else template
+        tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[
+            (t, i) for i, t in enumerate(("<unk>", "<s>", "</s>")) if t in template.split()])
     tok.save(str(folder / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True} if config is None else config
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
@@ -224,8 +226,34 @@ def test_hf_bos_semantics(tmp_path):
         load_tokenizer(folder)
     with pytest.raises(DataPrepError, match="no eos_token"):
         load_tokenizer(write_hf(tmp_path / "noeos", {"bos_token": "<s>"}))
+    # a post-processor that also ends a text with the EOS: as the data ends each document
+    tok = load_tokenizer(write_hf(tmp_path / "bos_eos", names, "<s> $A </s>"))
+    assert (tok.bos_id, tok.eos_id) == (1, 2)
+    assert AutoTokenizer.from_pretrained(tmp_path / "bos_eos")("a b").input_ids == [1] + tok.encode("a b") + [2]
+    # a post-processor adding another token than the named BOS, or more than one: transformers would
+    # put it into every prompt, where the data holds the named BOS alone
+    for name, template in (("other", "<unk> $A"), ("two", "<s> <unk> $A"), ("suffix", "<s> $A <unk>")):
+        with pytest.raises(DataPrepError, match=r"post-processor puts \[.*\] before a text and \[.*\] after it, where the "
+                                                r"data would hold each document as \['<s>'\] text \['</s>'\]"):
+            load_tokenizer(write_hf(tmp_path / name, names, template))
     with pytest.raises(DataPrepError, match="names eos_token '<eos>', which"):
         load_tokenizer(write_hf(tmp_path / "bad", {"eos_token": "<eos>"}))
+
+
+def test_hf_bos_or_eos_text_can_make_is_refused(tmp_path):
+    # a BOS or EOS that is an ordinary entry of the vocabulary, not an added token: text holding its
+    # string would start or end a document (an added one not marked special is made special: above)
+    folder = write_hf(tmp_path / "hf", template=False)
+    vocab = HFTokenizer.from_file(str(folder / "tokenizer.json")).get_vocab()
+    piece = next(t for t, i in sorted(vocab.items(), key=lambda kv: -kv[1]) if t.isascii() and t.isalpha())
+    for key in ("eos_token", "bos_token"):
+        (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", key: piece,
+                                                                 "add_bos_token": False}))
+        if key == "bos_token":  # a BOS no text starts with is never written
+            assert load_tokenizer(folder).bos_id is None
+            continue
+        with pytest.raises(DataPrepError, match=f"holds eos_token {piece!r} as an ordinary entry of its vocabulary"):
+            load_tokenizer(folder)
 
 
 def test_sentencepiece_folder_follows_its_tokenizer_config(tmp_path):
