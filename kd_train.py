@@ -355,6 +355,15 @@ def load_or_fail(name, path):
     if data_tokenizer and not theirs and master_process:  # e.g. an HF directory without its tokenizer files
         print(f"warning: {name}={path!r} records no tokenizer, so nothing checks that the data in {data_dir} was "
               f"prepared with its tokenizer")
+    # data made by hand says only how many ids it uses: fewer than the model's tokenizer has, and the
+    # divergence would renormalize both models over the first ones alone (the rows past them are cut as padding)
+    # (of an HF directory's two kinds, the tokenizer.json transformers reads)
+    if not data_tokenizer and (found := tokenizers_of(name)) and (size := (found.get("hf") or found.get("sentencepiece")
+                                                                          or {}).get("vocab_size", 0)) > data_meta["vocab_size"]:
+        fail(f"{name}={path!r} was trained with a tokenizer of {size} ids, and the data in {data_dir}, which records "
+             f"no tokenizer, uses {data_meta['vocab_size']}: the divergence would compare the models over the first "
+             f"{data_meta['vocab_size']} alone; prepare the data with data_prep.py and that tokenizer, or give its "
+             f"meta.json vocab_size {size}")
     if args.lora_rank:  # a LoRA student of an earlier run: start from its merged weights
         state = merge_lora(state, args)
         args.lora_rank = 0

@@ -165,6 +165,13 @@ def test_kd_holds_teacher_and_student_to_one_tokenizer(llama32, tmp_path):
     r = run("kd_train.py", check=False, init_from=str(student), teacher_init=str(hf_dir), data_dir=str(by_hand),
             out_dir=str(tmp_path / "k2"), **settings)
     assert r.returncode == 2 and "different tokenizers" in r.stderr, r.stderr[-2000:]
+    # nor a teacher's tokenizer with more ids than such data says it uses: both models would be cut to them
+    fewer = Path(shutil.copytree(by_hand, tmp_path / "fewer"))
+    (fewer / "meta.json").write_text(json.dumps({**meta, "vocab_size": meta["vocab_size"] - 8}))
+    r = run("kd_train.py", check=False, init_from="scratch", teacher_init=str(hf_dir), data_dir=str(fewer),
+            out_dir=str(tmp_path / "k3"), **settings)
+    assert r.returncode == 2 and (f"was trained with a tokenizer of {meta['vocab_size']} ids, and the data in {fewer}, "
+                                  f"which records no tokenizer, uses {meta['vocab_size'] - 8}") in r.stderr, r.stderr[-2000:]
     # a student directory holding a tokenizer.model too (HF directories often hold both kinds) is
     # compared in the kind the teacher has, and refused the same
     write_sentencepiece(student / "tokenizer.model")
