@@ -728,11 +728,12 @@ def _json_or_none(line):
 
 
 log_file = None
+baseline = {}  # what the loaded weights score before any step: evaluated below, or a resume's, from its log
 if master_process:
     # checkpoint.py: an earlier run's exports, not this one's, and a killed run's temp files if out_dir is locked
     remove_earlier_outputs(out_dir, inputs, locked=out_dir_lock is not None)
-    if init_from != "resume" and not convert_only:  # an earlier run's checkpoint: set aside, never taken for this run's
-        set_aside_checkpoint(out_dir, inputs)
+    if init_from != "resume":  # an earlier run's checkpoint: set aside, never taken for this run's (nor beside
+        set_aside_checkpoint(out_dir, inputs)  # a conversion's quantized.pt as the weights it came from)
     log_path = os.path.join(out_dir, "log.jsonl")
     if init_from != "resume" and os.path.exists(log_path):  # an earlier run's lines: set aside, never mixed with these
         os.replace(log_path, log_path + ".prev")
@@ -743,6 +744,8 @@ if master_process:
         # (a line a kill tore in half is dropped)
         with open(log_path) as f:
             records = [r for r in map(_json_or_none, f) if r is not None]
+        for r in records:  # the start's baseline, which a resume does not evaluate again, for its summary too
+            baseline.update({k: v for k, v in r.items() if k in ("init_fp_val_loss", "init_ptq_val_loss", "init_gptq_val_loss")})
         kept = [json.dumps(r) + "\n" for r in records
                 if (r["iter"] < iter_num or r["iter"] == iter_num and "event" not in r) and "fp_val_loss" not in r]
         with open(log_path + ".tmp", "w") as f:
@@ -786,7 +789,6 @@ if profile and not convert_only:
         on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(out_dir, f"trace_rank{rank}.json")),
         profile_memory=True, record_shapes=True)
 offload_ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if activation_offloading else nullcontext()
-baseline = {}
 if ptq_baseline and quant_bits is not None and init_from not in ("scratch", "resume") and not convert_only:
     # the number QAT has to beat: the starting weights, rounded without any training, in the
     # dtype the final conversion uses
@@ -841,7 +843,7 @@ if gptq_tokens and init_from != "resume":
     t_gptq = time.perf_counter()
     gptq_start()
     if master_process:
-        print(f"GPTQ: {gptq_tokens:,} calibration tokens, {time.perf_counter() - t_gptq:.0f} s")
+        print(f"GPTQ: {gptq_windows * world_size * block_size:,} calibration tokens (whole windows), {time.perf_counter() - t_gptq:.0f} s")
     if baseline:  # the PTQ a finetune from here has to beat
         baseline["init_gptq_val_loss"] = convert_and_evaluate(gathered_state(), after_qat=True)[0]
         log({"iter": iter_num, "init_gptq_val_loss": baseline["init_gptq_val_loss"]})

@@ -739,6 +739,15 @@ def test_ptq_of_plain_checkpoint(train, data, tmp_path):
     assert "loaded weights, PTQ 8da4w g32" in r.stdout and "step 0" not in r.stdout  # no step was taken
     assert [x["quantizer"] for x in read_log(out) if "method" in x] == ["8da4w"]
     assert read_log(out, "log.jsonl.prev") == log
+    # a conversion into a training run's out_dir sets that run's checkpoint aside with its log: else its
+    # ckpt.pt would sit beside this quantized.pt as the weights it came from (sample.py, bench.py deploy, a resume)
+    for name, init in (("other", base / "ckpt.pt"), ("own", None)):
+        trained = Path(shutil.copytree(base, tmp_path / name))
+        r = run(SCRIPT, **{**CONVERT, "data_dir": data, "out_dir": trained, "init_from": init or trained / "ckpt.pt",
+                           "convert_only": True, "quantizer": "8da4w"})
+        assert (trained / "quantized.pt").exists()
+        # the run's own checkpoint, converted where it lies, stays
+        assert (trained / "ckpt.pt").exists() == (init is None) and (trained / "ckpt.pt.prev").exists() == (init is not None)
 
 
 def test_convert_only_resumes_a_run_trained_with_other_loop_settings(train, data, tmp_path):
@@ -765,6 +774,12 @@ def test_ptq_baseline_before_qat_finetune(train, data, tmp_path):
     assert s["init_fp_val_loss"] == pytest.approx(p["fp_val_loss"], rel=1e-6)
     assert s["init_ptq_val_loss"] == pytest.approx(p["quant_val_loss"], rel=1e-6)
     assert s["init_ptq_val_loss"] > s["init_fp_val_loss"]
+    # a resume (here the run converted again) reports its start's baseline from the log, not evaluated again
+    r = run(SCRIPT, **{**CONVERT, "data_dir": data, "out_dir": out, "init_from": "resume", "convert_only": True,
+                       "quantizer": "8da2w", "group_size": QAT["group_size"]})
+    again = summary(read_log(out))
+    assert {k: again[k] for k in ("init_fp_val_loss", "init_ptq_val_loss")} == {k: s[k] for k in ("init_fp_val_loss", "init_ptq_val_loss")}
+    assert "start, PTQ 8da2w" in r.stdout and "start: val loss" not in r.stdout
     # and --ptq_baseline=False skips it
     out2 = tmp_path / "qat2"
     run(SCRIPT, **{**FINETUNE, **QAT, "quantizer": "8da2w", "data_dir": data, "out_dir": out2,
