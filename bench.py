@@ -314,8 +314,11 @@ def speed(opt):
                      f"log-softmax) {fwd:.1f} ms; plain step + it = {(plain + fwd) / plain:.2f}x plain, the eager KD step "
                      f"{kd / plain:.2f}x")
     ref = TORCHTUNE_QAT_TOKENS_PER_SEC_PER_RANK
+    with open(os.path.join(data_dir, "meta.json")) as f:  # torchtune's work: 8da4w g32 over a vocabulary of 4096
+        same_work = (opt.quantizer, opt.group_size, json.load(f)["vocab_size"]) == ("8da4w", 32, 4096)
     for r in results:
-        if r["step"] == "qat" and (opt.nproc, r["dtype"]) in ref and opt.device == "cpu" and opt.preset_is_torchtune:
+        if (r["step"] == "qat" and (opt.nproc, r["dtype"]) in ref and opt.device == "cpu" and opt.preset_is_torchtune
+                and same_work):
             theirs = ref[(opt.nproc, r["dtype"])]
             notes.append(f"- QAT {r['dtype']} {'compiled' if r['compile'] else 'eager'}: {r['tokens_per_sec_per_device']:,.0f} "
                          f"tokens/s per rank, {r['tokens_per_sec_per_device'] / theirs:.2f}x torchtune 0.6.1 qat_distributed "
@@ -570,7 +573,7 @@ def quality(opt):
                   f"| {opt.student_preset} | {ms(ce)} | {ms(kd)} | {teacher_loss:.3f} | {pm(closed)} |"]
     origin = opt.base_ckpt or f"{opt.preset} trained {opt.base_iters} steps"
     report = (f"Quality: base {origin} on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
-              f"(lr {float(ft['learning_rate']):g} to {float(ft['min_lr']):g}, range_learning {bool(opt.range_learning)}), QAT and QAD from the {opt.start}{' (a stage after it)' * (opt.start == 'plain')}, QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
+              f"(lr {float(ft['learning_rate']):g} to {float(ft['min_lr']):g}, learned scales: QAT {qat_set.get('range_learning', 'False')}, QAD {qad_set.get('range_learning', 'False')}), QAT and QAD from the {opt.start}{' (a stage after it)' * (opt.start == 'plain')}, QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
               f"at T={qad_set.get('kd_temperature', opt.qad_kd_temperature)}, teacher {opt.qad_teacher}; "
               f"settings: every finetune {ft_set or '-'}, quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
               f"student {opt.student_preset} {opt.kd_iters} steps, "
@@ -581,30 +584,42 @@ def quality(opt):
 
 
 # -----------------------------------------------------------------------------
-def activation_bytes(args, c, qat=False):
+def fake_quant_bytes(quantizer, c, group_size):
+    """(bytes per element of a fake-quantized weight, per element of a fake-quantized input) that QAT's
+    backward keeps, c bytes per element of the compute dtype: the scripts' fused fake quantizers keep
+    each weight's fake-quantized copy and a bool clamp mask, and int8 activation grids (8daNw) a mask
+    per input element; torchao's own for 4w-gpu (asymmetric, bf16 scales) four fp32 intermediates per
+    weight (and its bf16 result in bfloat16 runs), and per group a scale and zero point twice."""
+    if quantizer == "none":
+        return 0, 0
+    per_weight = 16 + 2 * (c == 2) + 16 / group_size if quantizer == "4w-gpu" else c + 1
+    return per_weight, int(quantizer.startswith("8da"))
+
+
+def activation_bytes(args, c, quantizer="none", group_size=32):
     """Bytes autograd keeps per token for one transformer block's backward, c bytes per element of
     the compute dtype: per token (B*T of them) and per block (the fake-quantized weights QAT's
     forward keeps). Counted with saved_tensors_hooks on CPU (float32 and bfloat16, torch 2.13,
     SDPA's fused kernel: no T x T attention matrix, as on GPUs), exact there for plain training
-    and for QAT with the scripts' fused fake quantizers in eager mode. tests/test_bench.py
-    measures them again."""
+    and for QAT with the scripts' fake quantizers in eager mode, static scales (learned ones,
+    range_learning, keep more). tests/test_bench.py measures them again."""
     d, q, kv, h = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
     # the block's input, norms' outputs, q, k, v and their RoPE'd copies, the attention output,
     # w1/w3/silu/product; bf16 runs also keep the fp32 intermediates of RMSNorm and RoPE;
     # attention's log-sum-exp and the norms' reciprocal RMS in fp32
     per_token = c * (4 * d + 4 * q + 2 * kv + 4 * h) + (2 * (d + q) if c == 2 else 0) + 4 * args.n_heads + 8
-    per_block = 0
-    if qat:  # a bool clamp mask per fake-quantized input (q/k/v and w1/w3 share theirs) and weight,
-        # one more block-input-wide tensor, and each fake-quantized weight
-        per_token += (2 * d + q + h) + c * d
-        per_block = (c + 1) * (2 * d * q + 2 * d * kv + 3 * d * h)
-    return per_token, per_block
+    per_weight, per_input = fake_quant_bytes(quantizer, c, group_size)
+    if per_input:  # a clamp mask per fake-quantized input (q/k/v and w1/w3 share theirs), and one more
+        # block-input-wide tensor
+        per_token += per_input * (2 * d + q + h) + c * d
+    return per_token, per_weight * (2 * d * q + 2 * d * kv + 3 * d * h)
 
 
 def memory_plan(args, nproc, batch_size, block_size, dtype, mixed_precision=False, activation_checkpointing=False,
-                qat=False, replicate_degree=1):
+                quantizer="none", replicate_degree=1, group_size=32):
     """Per-rank bytes of one training step with FSDP2 sharding over nproc / replicate_degree
-    processes, from the shapes alone (a model on the meta device: nothing is allocated)."""
+    processes, from the shapes alone (a model on the meta device: nothing is allocated), QAT with
+    every linear layer fake-quantized, the output layer too (quant_skip empty)."""
     with torch.device("meta"):
         model = Transformer(args)
     n_params = sum(p.numel() for p in model.parameters())  # a tied output is counted once
@@ -613,13 +628,14 @@ def memory_plan(args, nproc, batch_size, block_size, dtype, mixed_precision=Fals
     c = 4 if dtype == "float32" else 2  # compute dtype
     master = 4 if dtype == "float32" or mixed_precision else 2  # parameters, gradients, AdamW moments
     tokens = batch_size * block_size
-    per_token, per_block = activation_bytes(args, c, qat)
+    per_token, per_block = activation_bytes(args, c, quantizer, group_size)
     L = args.n_layers
     if activation_checkpointing:  # each block's input, plus one block recomputed at a time
         acts = L * tokens * c * args.dim + tokens * per_token + per_block
     else:
         acts = L * (tokens * per_token + per_block)
     chunk = min(tokens, LOGITS_PER_CHUNK // args.vocab_size)
+    per_weight, per_input = fake_quant_bytes(quantizer, c, group_size)
     return {
         "parameters": n_params * master / shard,
         "gradients": n_params * master / shard,
@@ -628,25 +644,42 @@ def memory_plan(args, nproc, batch_size, block_size, dtype, mixed_precision=Fals
         # output layer gathered through forward and backward
         "gathered weights": 2 * block_params * c + args.vocab_size * args.dim * c,
         "activations": acts,
-        # the final hidden states, and one chunk of fp32 logits with their gradient
-        "loss": tokens * args.dim * c + 2 * chunk * args.vocab_size * 4,
+        # the final hidden states, and one chunk of fp32 logits with their gradient; under QAT what the
+        # output layer's fake quant keeps for a chunk's backward (each chunk's recomputed in turn)
+        "loss": tokens * args.dim * c + 2 * chunk * args.vocab_size * 4
+                + per_weight * args.vocab_size * args.dim + per_input * chunk * args.dim,
     }
 
 
 def memory(opt):
-    args = ModelArgs(**{**PRESETS[opt.preset], **{k: v for k, v in (("n_layers", opt.n_layer), ("dim", opt.n_embd),
-                        ("n_heads", opt.n_head), ("n_kv_heads", opt.n_kv_head)) if v is not None}})
+    if opt.quantizer not in ("none", "4w-gpu") and not re.fullmatch(r"(8da)?[2-8]w", opt.quantizer):
+        sys.exit(f"bench: --quantizer {opt.quantizer!r} is unknown; use none, 8daNw, Nw (N from 2 to 8) or 4w-gpu")
+    # the vocabulary: the preset's (a real model's), or the one the scripts take from the data
+    vocab = PRESETS[opt.preset].get("vocab_size") or opt.vocab_size
+    if not vocab:
+        meta = os.path.join(opt.data_dir, "meta.json")
+        if not os.path.exists(meta):
+            sys.exit(f"bench: --preset {opt.preset} takes its vocabulary from the data, and {opt.data_dir} has none; "
+                     f"give --vocab_size or --data_dir")
+        with open(meta) as f:
+            vocab = json.load(f)["vocab_size"]
+    elif opt.vocab_size and opt.vocab_size != vocab:
+        sys.exit(f"bench: --preset {opt.preset} has a vocabulary of {vocab}; drop --vocab_size")
+    args = ModelArgs(**{**PRESETS[opt.preset], "vocab_size": vocab, **{k: v for k, v in (
+        ("n_layers", opt.n_layer), ("dim", opt.n_embd), ("n_heads", opt.n_head), ("n_kv_heads", opt.n_kv_head)) if v is not None}})
     rows = ["| dtype | activation checkpointing | QAT | parameters | gradients | AdamW | gathered | activations | loss | total per rank |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for dtype, mixed in (("bfloat16", True), ("bfloat16", False)):
         for ac in (False, True):
-            plan = memory_plan(args, opt.nproc, opt.batch_size, opt.block_size, dtype, mixed, ac, opt.quantizer != "none",
-                               opt.replicate_degree)
+            plan = memory_plan(args, opt.nproc, opt.batch_size, opt.block_size, dtype, mixed, ac, opt.quantizer,
+                               opt.replicate_degree, opt.group_size)
             gb = {k: v / 2 ** 30 for k, v in plan.items()}
             rows.append(f"| {'bf16 + fp32 master' if mixed else 'bf16'} | {'every block' if ac else 'off'} | "
                         f"{opt.quantizer} | " + " | ".join(f"{v:.1f}" for v in gb.values()) + f" | **{sum(gb.values()):.1f}** |")
-    report = (f"Memory plan, GiB per rank: {opt.preset}, {opt.nproc} process(es) (shards of {opt.nproc // opt.replicate_degree}), "
-              f"batch {opt.batch_size} x {opt.block_size} per process; allocator overhead and CUDA context not included\n\n"
+    report = (f"Memory plan, GiB per rank: {opt.preset}, vocabulary {vocab}, {opt.nproc} process(es) (shards of "
+              f"{opt.nproc // opt.replicate_degree}), batch {opt.batch_size} x {opt.block_size} per process, "
+              f"{opt.quantizer} g{opt.group_size} on every linear layer, the output too, static scales; allocator overhead "
+              f"and CUDA context not included\n\n"
               + "\n".join(rows) + "\n")
     write(opt, f"memory_{opt.preset}_{opt.nproc}", report, {"options": vars(opt)})
 
@@ -896,7 +929,8 @@ if __name__ == "__main__":
     p.add_argument("--quantizer", default="8da4w")
     p.add_argument("--steps_of", default="plain,qat,kd,qad", help="speed: the steps to time (plain always)")
     p.add_argument("--vocab_size", type=int, help="speed: time on random tokens of this vocabulary instead of "
-                                                  "--data_dir's text, e.g. Llama 3's 128256")
+                                                  "--data_dir's text, e.g. Llama 3's 128256; memory: the vocabulary of a "
+                                                  "preset that takes it from the data (default: --data_dir's)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps per run (compilation happens here)")
     p.add_argument("--rounds", type=int, default=2)
@@ -957,7 +991,7 @@ if __name__ == "__main__":
     shape = {"preset", "n_layer", "n_embd", "n_head", "n_kv_head", "batch_size", "block_size", "out_dir"}
     reads = {"speed": shape | {"data_dir", "device", "nproc", "group_size", "peak_flops", "dtypes", "compile", "quantizer",
                                "steps_of", "vocab_size", "steps", "warmup", "rounds"},
-             "memory": shape | {"nproc", "quantizer", "replicate_degree"},
+             "memory": shape | {"nproc", "quantizer", "group_size", "replicate_degree", "vocab_size", "data_dir"},
              "quality": shape | {"data_dir", "device", "nproc", "group_size", "dtype", "schemes", "seeds", "base_iters",
                                  "base_ckpt", "base_lr", "ft_iters", "ft_lr", "qad_kd_ratio", "qad_kd_temperature",
                                  "range_learning", "qad_teacher", "start", "gptq_tokens", "methods", "ft_set", "quant_set", "qat_set",

@@ -182,35 +182,45 @@ def test_quality_report(tmp_path):
     assert len(reports) == 2 and first_report in reports and json.load(open(first_report)) == res
 
 
-def saved_bytes(args, dtype, qat=False, B=2, T=64):
-    """(per token, per block) bytes autograd saves for one block's backward, measured: every saved
-    tensor's storage counted once, the weights and RoPE tables aside (they exist anyway)."""
+def saved_bytes(args, dtype, quantizer="none", group_size=32, B=2, T=64):
+    """(one block's bytes per token, the output layer and loss's bytes) autograd saves for backward,
+    measured: every saved tensor's storage counted once, the weights and RoPE tables aside (they exist anyway)."""
     import logging
     import torch
     logging.getLogger("torchao").setLevel(logging.ERROR)
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
+    from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig,
+                                      PerGroup, quantize_)
     from torchao.quantization.qat import QATConfig
-    from model import Transformer, fuse_fake_quant
+    from model import Transformer, chunked_cross_entropy, ce_chunk, fuse_fake_quant
     m = Transformer(args).to(dtype)
     m.init_weights(seed=0)
-    if qat:  # as the scripts prepare it: torchao's fake quantizers, swapped for the fused ones
-        cfg = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
+    if quantizer != "none":  # as the scripts prepare it (qat_train.base_config): torchao's fake quantizers, then the fused ones
+        bits = getattr(torch, f"int{quantizer.split('w')[0][-1]}")
+        cfg = (Int4WeightOnlyConfig(group_size=group_size) if quantizer == "4w-gpu"
+               else Int8DynamicActivationIntxWeightConfig(weight_dtype=bits, weight_granularity=PerGroup(group_size))
+               if quantizer.startswith("8da") else IntxWeightOnlyConfig(weight_dtype=bits, granularity=PerGroup(group_size)))
         quantize_(m, QATConfig(cfg, step="prepare"), filter_fn=lambda mod, path: isinstance(mod, torch.nn.Linear))
         fuse_fake_quant(m)
-    block = m.layers[0]
-    known = {t.untyped_storage()._cdata for t in (*block.parameters(), m.rope_cos, m.rope_sin)}
-    seen = {}
+    known = {t.untyped_storage()._cdata for t in (*m.parameters(), m.rope_cos, m.rope_sin)}
 
-    def pack(t):
-        s = t.untyped_storage()
-        if s._cdata not in known:
-            seen[s._cdata] = s.nbytes()
-        return t
+    def measure(fn):
+        seen = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s._cdata not in known:
+                seen[s._cdata] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(seen.values())
 
     x = torch.randn(B, T, args.dim, dtype=dtype, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, m.rope_cos[:T], m.rope_sin[:T])
-    return sum(seen.values()) / (B * T)
+    block = measure(lambda: m.layers[0](x, m.rope_cos[:T], m.rope_sin[:T])) / (B * T)
+    h = torch.randn(B * T, args.dim, dtype=dtype, requires_grad=True)
+    head = measure(lambda: chunked_cross_entropy(h, m.output, torch.randint(0, args.vocab_size, (B * T,)), B * T, ce_chunk))
+    return block, head
 
 
 def test_memory_plan_activations_match_what_autograd_saves():
@@ -219,11 +229,20 @@ def test_memory_plan_activations_match_what_autograd_saves():
     from model import ModelArgs
     for shape in (dict(dim=128, n_heads=4, n_kv_heads=2, multiple_of=32), dict(dim=256, n_heads=8, n_kv_heads=2, multiple_of=128)):
         args = ModelArgs(**shape, n_layers=1, vocab_size=256, max_seq_len=128)
-        for dtype, c in ((torch.float32, 4), (torch.bfloat16, 2)):
+        for dtype, c, name in ((torch.float32, 4, "float32"), (torch.bfloat16, 2, "bfloat16")):
             per_token, per_block = activation_bytes(args, c)
-            assert per_token == saved_bytes(args, dtype) and per_block == 0
-            per_token, per_block = activation_bytes(args, c, qat=True)
-            assert per_token + per_block / 128 == saved_bytes(args, dtype, qat=True)
+            plain = saved_bytes(args, dtype)
+            assert per_token == plain[0] and per_block == 0
+            # int8 activations, weight-only, and torchao's own fake quantizer (4w-gpu), at two group sizes
+            for quantizer, g in (("8da4w", 32), ("4w", 32), ("8da2w", 64), ("4w-gpu", 32), ("4w-gpu", 64)):
+                if args.hidden_dim % g:
+                    continue
+                per_token, per_block = activation_bytes(args, c, quantizer, g)
+                block, head = saved_bytes(args, dtype, quantizer, g)
+                assert per_token + per_block / 128 == block, (quantizer, g, dtype)
+                # the output layer's fake quant, on top of the loss's own (one chunk of all 128 tokens)
+                plans = [memory_plan(args, 1, 2, 64, name, quantizer=qz, group_size=g)["loss"] for qz in ("none", quantizer)]
+                assert plans[1] - plans[0] == head - plain[1], (quantizer, g, dtype)
     # the rest is arithmetic over the meta-device parameter count: sharded 8 ways
     args = ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=64)
     one, eight = (memory_plan(args, n, 2, 128, "bfloat16", mixed_precision=True) for n in (1, 8))
