@@ -73,8 +73,8 @@ from checkpoint import (CHECKPOINT_NAMES, FINAL_OUTPUTS, TO_SINGLE_FILE, atomic_
                         set_aside_checkpoint, sharded_dir, source_generation, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, load_topk_store, remove_tokenizer_files, tokenizer_mismatch
 from model import (IGNORE_INDEX, LOGITS_PER_CHUNK, PRESETS, ModelArgs, Transformer, adapter_state_dict, check_quantizable,
-                   flops_per_token, fuse_fake_quant, initial_scales, learn_scales, mark_only_lora_trainable, merge_lora, peak_flops,
-                   restart_scales, to_lora_keys, weights_only)
+                   fake_quantized_weight, flops_per_token, fuse_fake_quant, initial_scales, learn_scales, linear_with,
+                   mark_only_lora_trainable, merge_lora, peak_flops, restart_scales, to_lora_keys, weights_only)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -1001,9 +1001,10 @@ class StudentLogProbs(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def chunk_losses(hs, ht, y):
-    """Summed CE and KD over one chunk of tokens: hs (N, Cs), ht (N, Ct), y (N,)."""
-    s_logits = model.output(hs).float()  # (N, V), fp32 for this chunk only
+def chunk_losses(hs, ht, y, w=None):
+    """Summed CE and KD over one chunk of tokens: hs (N, Cs), ht (N, Ct), y (N,); w the student's
+    fake-quantized output weight, when the step's chunks share it (model.fake_quantized_weight)."""
+    s_logits = linear_with(model.output, hs, w).float()  # (N, V), fp32 for this chunk only
     with torch.no_grad():
         # rows past the tokenizer's vocabulary are padding, not part of either distribution
         t_logits = teacher.output(ht).float()[:, :n_vocab]
@@ -1018,9 +1019,9 @@ def chunk_losses(hs, ht, y):
     return -label_logp.sum(), kd
 
 
-def stored_chunk_losses(hs, t_ids, t_logp, y):
+def stored_chunk_losses(hs, t_ids, t_logp, y, w=None):
     """Summed CE and KD over one chunk of tokens against the stored teacher: hs (N, Cs), t_ids and
-    t_logp (N, k) its k likeliest tokens and their log-probs at kd_temperature, y (N,).
+    t_logp (N, k) its k likeliest tokens and their log-probs at kd_temperature, y (N,); w as in chunk_losses.
 
     The teacher's tail, the mass 1 - sum(top k) it puts outside its top k, is one bucket "rest",
     compared with the student's mass on those same tokens: both distributions coarse-grained onto
@@ -1028,7 +1029,7 @@ def stored_chunk_losses(hs, t_ids, t_logp, y):
     value (coarse-graining never increases an f-divergence), and k = vocabulary gives the full
     one. Renormalizing the top k instead would make the teacher look surer than it is and leave
     the student free to put any mass outside the top k."""
-    s_buckets, label_logp = StudentLogProbs.apply(model.output(hs).float(), y, t_ids, kd_temperature, None)
+    s_buckets, label_logp = StudentLogProbs.apply(linear_with(model.output, hs, w).float(), y, t_ids, kd_temperature, None)
     if t_ids.shape[1] < n_vocab:
         # the teacher's rest, floored like the student's; float16 rounding can take its stored sum
         # past 1, and the log_softmax below renormalizes the buckets
@@ -1062,9 +1063,10 @@ def distill_loss(x, y, pos, topk=None):
     if hs.shape[0] <= chunk_tokens:
         return losses(hs, *teacher_side, y)
     ce, kd = torch.zeros((), device=hs.device), torch.zeros((), device=hs.device)
+    w = fake_quantized_weight(model.output)  # once for every chunk (QAD), not in each and its recomputation
     for c in range(0, hs.shape[0], chunk_tokens):
         sl = slice(c, c + chunk_tokens)
-        ce_c, kd_c = checkpoint(losses, hs[sl], *(t[sl] for t in teacher_side), y[sl], use_reentrant=False)
+        ce_c, kd_c = checkpoint(losses, hs[sl], *(t[sl] for t in teacher_side), y[sl], w, use_reentrant=False)
         ce, kd = ce + ce_c, kd + kd_c
     return ce, kd
 

@@ -464,21 +464,41 @@ class Transformer(nn.Module):
         return tokens
 
 
-def ce_chunk(h, output, targets):
-    """Summed cross-entropy of output(h) against targets, the logits upcast to fp32."""
-    logits = output(h).float()
+def fake_quantized_weight(linear):
+    """The weight of a fake-quantized linear layer, fake-quantized here, or None for any other layer.
+    torchao's fake-quantized linear fake-quantizes its whole weight at every call, which a chunked
+    loss would make for every chunk and again in each chunk's recomputation (the output layer:
+    vocabulary x dim elements each time; at Llama 3's vocabulary 4,096 tokens are 16 chunks): the
+    chunks take it once, through linear_with."""
+    fq = getattr(linear, "weight_fake_quantizer", None)
+    return None if fq is None else fq(linear.weight)
+
+
+def linear_with(linear, x, w=None):
+    """linear(x), with w (fake_quantized_weight's) in place of its weight's fake quant when given."""
+    if w is None:
+        return linear(x)
+    act = linear.activation_fake_quantizer
+    return F.linear(x if act is None else act(x), w, linear.bias)
+
+
+def ce_chunk(h, output, targets, w=None):
+    """Summed cross-entropy of output(h) against targets, the logits upcast to fp32; w as in linear_with."""
+    logits = linear_with(output, h, w).float()
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def chunked_cross_entropy(h, output, targets, chunk=1024, loss=ce_chunk):
     """Summed cross-entropy of output(h) (N, V) against targets (N,), never holding more than
     `chunk` rows of fp32 logits (`loss` computes one chunk's). With several chunks each is
-    checkpointed: backward recomputes its logits rather than keeping all of them alive."""
+    checkpointed: backward recomputes its logits rather than keeping all of them alive, and a
+    fake-quantized output layer's weight is fake-quantized once for all of them."""
     if h.shape[0] <= chunk:
         return loss(h, output, targets)
+    w = fake_quantized_weight(output)
     total = h.new_zeros((), dtype=torch.float32)
     for hc, tc in zip(h.split(chunk), targets.split(chunk)):
-        total = total + checkpoint(loss, hc, output, tc, use_reentrant=False)
+        total = total + checkpoint(loss, hc, output, tc, w, use_reentrant=False)
     return total
 
 

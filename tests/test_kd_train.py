@@ -208,6 +208,9 @@ EXTRA_CASES = {
     "jsd-beta-1": dict(kd_divergence="jsd", jsd_beta=1.0),
     "chunked-1x18": dict(kd_divergence="skl", batch_size=18, block_size=64, loss_chunk=1024),  # 1152 tokens: 2 chunks
     "unchunked-2x9": dict(kd_divergence="skl", batch_size=9, block_size=64, gradient_accumulation_steps=2),
+    # QAD: the chunks share the output weight's fake quant
+    "qad-chunked-1x18": dict(kd_divergence="skl", batch_size=18, block_size=64, loss_chunk=1024, quantizer="8da4w"),
+    "qad-unchunked-2x9": dict(kd_divergence="skl", batch_size=9, block_size=64, gradient_accumulation_steps=2, quantizer="8da4w"),
 }
 
 
@@ -248,8 +251,9 @@ def test_jsd_tends_to_forward_and_reverse_kl(loss_runs):
     assert first["jsd-beta-1"] == first["rkl"]
 
 
-def test_chunked_step_equals_unchunked(loss_runs):
-    (sa, log_a), (sb, log_b) = loss_runs["chunked-1x18"], loss_runs["unchunked-2x9"]
+@pytest.mark.parametrize("qad", ["", "qad-"])
+def test_chunked_step_equals_unchunked(loss_runs, qad):
+    (sa, log_a), (sb, log_b) = loss_runs[qad + "chunked-1x18"], loss_runs[qad + "unchunked-2x9"]
     a, b = train_lines(log_a)[0], train_lines(log_b)[0]
     for key in ("class_loss", "kd_loss", "grad_norm"):
         assert a[key] == pytest.approx(b[key], rel=1e-5), key

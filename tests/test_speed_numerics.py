@@ -125,6 +125,27 @@ def test_compiled_bfloat16_fake_quant_rounds_as_eager(device):
         assert torch.equal(torch.compile(fq)(t), fq(t)), config
 
 
+def test_chunked_loss_of_a_fake_quantized_output_equals_unchunked():
+    # the chunks share the output weight's fake quant, computed once: the same loss and gradients
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=32)
+    torch.manual_seed(0)
+    m = Transformer(args)
+    quantize_(m, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int2, weight_granularity=PerGroup(32)),
+                           step="prepare"), filter_fn=lambda mod, path: isinstance(mod, nn.Linear))
+    fuse_fake_quant(m)
+    tokens = torch.randint(96, (2, 16))
+    grads = []
+    for chunk in (5, 1024):
+        m.zero_grad(set_to_none=True)
+        loss = m(tokens, tokens, reduction="sum", loss_chunk=chunk)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for n, g in grads[0][1].items():
+        torch.testing.assert_close(g, grads[1][1][n], atol=1e-5, rtol=1e-4, msg=n)
+    assert grads[0][1]["output.weight"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_linears_reading_one_input_share_its_fake_quant(recompute, monkeypatch):
     # a Transformer fake-quantized by torchao against the fused one: wq, wk and wv (and w1, w3) see
@@ -145,15 +166,15 @@ def test_linears_reading_one_input_share_its_fake_quant(recompute, monkeypatch):
     apply = model._FakeQuantize.apply
     monkeypatch.setattr(model._FakeQuantize, "apply", lambda *a: calls.append(1) or apply(*a))
     tokens = torch.randint(64, (2, 16))
-    chunks = 4 if recompute else 1  # of the loss, each fake-quantizing its input and the output weight
+    chunks = 4 if recompute else 1  # of the loss, each fake-quantizing its input; the output weight once for all
     losses = [m(tokens, tokens, loss_chunk=16 * 2 // chunks) for m in (ref, fast)]
     calls.clear()  # per block 4 inputs fake-quantized (not 7) and 7 weights
     fast(tokens, tokens, loss_chunk=16 * 2 // chunks)
-    assert len(calls) == 2 * (4 + 7) + 2 * chunks
+    assert len(calls) == 2 * (4 + 7) + chunks + 1
     assert torch.equal(losses[0], losses[1])
     calls.clear()
     losses[0].backward()
     losses[1].backward()  # the recomputation of each block and chunk shares as its forward did
-    assert len(calls) == (2 * (4 + 7) + 2 * chunks if recompute else 0)
+    assert len(calls) == (2 * (4 + 7) + chunks if recompute else 0)
     for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters()):
         assert torch.allclose(p_ref.grad, p_fast.grad, rtol=2 ** -20, atol=2 ** -20 * p_ref.grad.abs().max().item()), name
