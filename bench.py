@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import ctypes
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -127,11 +128,16 @@ def code_digest():
     return h.hexdigest()
 
 
+def library_versions():
+    return {name: importlib.metadata.version(name) for name in ("torch", "torchao")}
+
+
 def run_once(script, args, out_dir, nproc=1, quiet=True):
     """run(), unless out_dir holds a finished run of exactly these arguments, input checkpoints and data:
     the plain finetunes and PTQ evaluations are then shared by every QAT/QAD setting compared
     against them, and a base trained again differently is not mistaken for the one they started from.
-    A run made by other code (CODE_FILES changed since) is reused, and said to be."""
+    A run made by other code (CODE_FILES changed since) or other torch / torchao versions is reused,
+    and said to be."""
     stamp, log_path = os.path.join(out_dir, "bench_args.json"), os.path.join(out_dir, "log.jsonl")
     inputs = {k: checkpoint_digest(args[k]) for k in ("init_from", "teacher_init") if os.path.exists(str(args.get(k, "")))}
     # and the data's fingerprints: data prepared again in place is other data under the same path
@@ -141,20 +147,24 @@ def run_once(script, args, out_dir, nproc=1, quiet=True):
     if os.path.exists(stamp) and os.path.exists(log_path):
         with open(stamp) as f:
             stamped = json.load(f)
-        code = stamped.pop("code", None)  # stamps from before it was recorded have none
+        code = stamped.pop("code", None)  # stamps from before they were recorded have neither
+        versions = stamped.pop("versions", None)
         if stamped == key:
             with open(log_path) as g:
                 records = [json.loads(line) for line in g]
             if any("fp_val_loss" in r for r in records):
-                print(f"  {script} {out_dir}: reused" + ("" if code == code_digest() else
-                      ", though run by other code than this checkout's (remove the directory to run it again)"))
+                other = [what for what, same in (("other code than this checkout's", code == code_digest()),
+                                                 (f"other versions ({versions})", versions in (None, library_versions())))
+                         if not same]
+                print(f"  {script} {out_dir}: reused" + (f", though run by {' and '.join(other)} (remove the directory "
+                                                         f"to run it again)" if other else ""))
                 return records
     if os.path.exists(stamp):
         print(f"  bench: {out_dir} holds a run of other arguments; it is rerun over (name the setting apart to keep both)")
         os.remove(stamp)
     records = run(script, args, out_dir, nproc, quiet)
     with open(stamp, "w") as f:
-        json.dump({**key, "code": code_digest()}, f)
+        json.dump({**key, "code": code_digest(), "versions": library_versions()}, f)
     return records
 
 

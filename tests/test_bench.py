@@ -275,6 +275,10 @@ def test_run_once_reruns_on_data_prepared_again(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_module, "code_digest", lambda: "other")
     assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out")) == first and len(calls) == 1
     assert "reused, though run by other code" in capsys.readouterr().out
+    # and by other torch / torchao versions
+    monkeypatch.setattr(bench_module, "library_versions", lambda: {"torch": "0", "torchao": "0"})
+    assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out")) == first and len(calls) == 1
+    assert "code than this checkout's and other versions ({'torch'" in capsys.readouterr().out
     make_data(tmp_path / "data", val_tokens=1024, seed=5)  # the same path, other tokens
     assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out"))[0]["fp_val_loss"] == 2.0 and len(calls) == 2
 
