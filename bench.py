@@ -730,12 +730,13 @@ def deploy(opt):
         models[label].load_state_dict(state, assign=True)
         models[label].reset_buffers("cpu")
         models[label].eval()
-    # the full-precision file without the optimizer state ckpt.pt carries: what one would ship
-    fp_file = os.path.join(qat_dir, "fp_model.pt")
+    # the full-precision file without the optimizer state ckpt.pt carries (what one would ship), and the
+    # converted model as an ExecuTorch program, exported here: a model.pte in qat_dir may stand for another model
+    files_dir = os.path.join(opt.out_dir, "deploy_files")
+    os.makedirs(files_dir, exist_ok=True)
+    fp_file, pte = os.path.join(files_dir, "fp_model.pt"), os.path.join(files_dir, "model.pte")
     torch.save(models["full precision"].state_dict(), fp_file)
-    pte = os.path.join(qat_dir, "model.pte")
-    if not os.path.exists(pte) or os.path.getmtime(pte) < os.path.getmtime(os.path.join(qat_dir, "quantized.pt")):
-        export_executorch(models["converted"], pte)  # none yet, or one older than the model it would stand for
+    export_executorch(models["converted"], pte)
     et = ExecuTorchModel(pte)
     files = {"full precision": fp_file, "converted": os.path.join(qat_dir, "quantized.pt"), "executorch": pte}
 

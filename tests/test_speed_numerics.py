@@ -76,6 +76,12 @@ def test_fused_fake_quant_matches_torchao(dtype, scheme):
 NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU (.ci/gpu runs it)")
 
 
+def prepare_8da2w(m):
+    """m's linear layers fake-quantized by torchao, int8 activations and 2-bit weights in groups of 32."""
+    quantize_(m, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int2, weight_granularity=PerGroup(32)),
+                           step="prepare"), filter_fn=lambda mod, path: isinstance(mod, nn.Linear))
+
+
 @pytest.mark.parametrize("device, bool_mask", [("cpu", False), ("cpu", True), pytest.param("cuda", None, marks=NEEDS_GPU)])
 def test_compiled_block_is_one_graph_and_computes_what_eager_does(device, bool_mask, monkeypatch):
     # bool_mask: the clamp masks as a GPU keeps them, bools (a CPU keeps the difference); on a GPU,
@@ -85,8 +91,7 @@ def test_compiled_block_is_one_graph_and_computes_what_eager_does(device, bool_m
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
     torch.manual_seed(0)
     block = TransformerBlock(args)
-    quantize_(block, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int2, weight_granularity=PerGroup(32)),
-                               step="prepare"), filter_fn=lambda mod, path: isinstance(mod, nn.Linear))
+    prepare_8da2w(block)
     fuse_fake_quant(block)
     block.to(device)
     cos, sin = (t.to(device) for t in rope_tables(args.dim // args.n_heads, 16, args.rope_theta))
@@ -130,8 +135,7 @@ def test_chunked_loss_of_a_fake_quantized_output_equals_unchunked():
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=32)
     torch.manual_seed(0)
     m = Transformer(args)
-    quantize_(m, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int2, weight_granularity=PerGroup(32)),
-                           step="prepare"), filter_fn=lambda mod, path: isinstance(mod, nn.Linear))
+    prepare_8da2w(m)
     fuse_fake_quant(m)
     tokens = torch.randint(96, (2, 16))
     grads = []
@@ -154,8 +158,7 @@ def test_linears_reading_one_input_share_its_fake_quant(recompute, monkeypatch):
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=32)
     torch.manual_seed(0)
     ref = Transformer(args)
-    quantize_(ref, QATConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int2, weight_granularity=PerGroup(32)),
-                             step="prepare"), filter_fn=lambda mod, path: isinstance(mod, nn.Linear))
+    prepare_8da2w(ref)
     fast = copy.deepcopy(ref)
     fuse_fake_quant(fast)
     if recompute:
