@@ -527,10 +527,13 @@ def peak_flops(device, dtype):
     run reached, so MFU never exceeds 100%."""
     if device == "cuda":
         name = torch.cuda.get_device_name()
-        for key, flops in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return (flops if dtype == torch.bfloat16 else flops / 2), f"table ({name})"
-        return float("nan"), f"unknown GPU {name}; set peak_flops_per_device"
+        # a whole word of the name: "A10" is not the A10G, "A100" not the RTX A1000; a MIG slice has a
+        # share of its GPU's peak, which the name does not say
+        key = next((k for k in GPU_PEAK_FLOPS if re.search(rf"(?<![\w-]){re.escape(k)}(?!\w)", name)), None)
+        if key is None or "MIG" in name.split():
+            return float("nan"), f"unknown GPU {name}; set peak_flops_per_device"
+        flops = GPU_PEAK_FLOPS[key]
+        return (flops if dtype == torch.bfloat16 else flops / 2), f"table ({name})"
     # a generator of its own: drawing from the global one would shift the RNG state resume restores
     a = torch.randn(1024, 1024, dtype=dtype, generator=torch.Generator().manual_seed(0))
     # ten tries, or as many as fit in about two seconds, three at least: a CPU without native

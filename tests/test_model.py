@@ -495,8 +495,10 @@ def test_gpu_peak_by_name(monkeypatch, name, flops):
     from model import peak_flops
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     assert peak_flops("cuda", torch.bfloat16)[0] == flops and peak_flops("cuda", torch.float32)[0] == flops / 2
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H800")
-    assert peak_flops("cuda", torch.bfloat16)[1] == "unknown GPU NVIDIA H800; set peak_flops_per_device"
+    # unknown, or a name that only contains a known one, or a MIG slice of one
+    for other in ("NVIDIA H800", "NVIDIA A10G", "NVIDIA RTX A1000", "NVIDIA H100 80GB HBM3 MIG 1g.10gb"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: other)
+        assert peak_flops("cuda", torch.bfloat16)[1] == f"unknown GPU {other}; set peak_flops_per_device"
 
 
 def test_a_learned_scale_of_zeros_trains():
