@@ -341,7 +341,13 @@ def test_options_a_mode_would_ignore_are_refused(args, says):
 
 
 def test_options_a_mode_reads_are_taken(tmp_path):
-    # the other side of the list above: memory reads its own options (and needs no data)
+    # the other side of the list above: memory reads its own options (and needs no data when a tiny
+    # preset's vocabulary, which the scripts take from the data, is given)
     bench("memory", "--out_dir", str(tmp_path), "--nproc", "2", "--replicate_degree", "2", "--quantizer", "8da2w",
-          "--preset", "toy", "--batch_size", "2", "--block_size", "64")
-    assert "8da2w" in report(tmp_path, "memory_toy_2", "md")
+          "--preset", "toy", "--batch_size", "2", "--block_size", "64", "--vocab_size", "4096")
+    assert "vocabulary 4096" in report(tmp_path, "memory_toy_2", "md") and "8da2w g32" in report(tmp_path, "memory_toy_2", "md")
+    for args, says in ((["--data_dir", str(tmp_path / "none")], "--preset toy takes its vocabulary from the data"),
+                       (["--vocab_size", "4096", "--quantizer", "8da4"], "--quantizer '8da4' is unknown")):
+        r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "memory", "--preset", "toy", "--out_dir", str(tmp_path),
+                            *args], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and says in r.stderr, r.stderr[-3000:]

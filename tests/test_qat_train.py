@@ -818,9 +818,11 @@ def test_gptq_start(train, data, tmp_path):
     assert first["gptq"] < first["nearest"] - 0.01
     assert summary(read_log(runs["gptq"]))["method"] == "qat"
     # and its resume neither runs GPTQ again nor refuses the setting it started with
-    run(SCRIPT, **{**gptq, "out_dir": runs["gptq"], "init_from": "resume", "max_iters": 3, "learning_rate": 1e-6,
-                   "min_lr": 1e-7})
-    assert "init_gptq_val_loss" not in summary(read_log(runs["gptq"]))
+    started = summary(read_log(runs["gptq"]))["init_gptq_val_loss"]
+    r = run(SCRIPT, **{**gptq, "out_dir": runs["gptq"], "init_from": "resume", "max_iters": 3, "learning_rate": 1e-6,
+                       "min_lr": 1e-7})
+    assert "GPTQ:" not in r.stdout and "after GPTQ" not in r.stdout
+    assert summary(read_log(runs["gptq"]))["init_gptq_val_loss"] == started  # its start's, from the log
     # while a run that started otherwise cannot take GPTQ up at its resume: its weights are trained on
     r = run(SCRIPT, check=False, **{**gptq, "out_dir": runs["nearest"], "init_from": "resume", "max_iters": 3,
                                     "learning_rate": 1e-6, "min_lr": 1e-7})
