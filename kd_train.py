@@ -315,6 +315,7 @@ if not topk_write and (mine := os.path.realpath(teacher_init)) in {os.path.realp
 model_sources = {}  # init_from's and teacher_init's (path, loaded checkpoint), to read their tokenizers from
 
 
+@lru_cache(maxsize=None)  # read once per model: the checks below and a store's record ask again
 def tokenizers_of(name):
     """The fingerprints of the tokenizer init_from or teacher_init was trained with, by kind: a
     checkpoint records one, an HF directory often holds two files (tokenizer.json, tokenizer.model),
@@ -358,8 +359,8 @@ def load_or_fail(name, path):
     # data made by hand says only how many ids it uses: fewer than the model's tokenizer has, and the
     # divergence would renormalize both models over the first ones alone (the rows past them are cut as padding)
     # (of an HF directory's two kinds, the tokenizer.json transformers reads)
-    if not data_tokenizer and (found := tokenizers_of(name)) and (size := (found.get("hf") or found.get("sentencepiece")
-                                                                          or {}).get("vocab_size", 0)) > data_meta["vocab_size"]:
+    found = {} if data_tokenizer else tokenizers_of(name)
+    if (size := (found.get("hf") or found.get("sentencepiece") or {}).get("vocab_size", 0)) > data_meta["vocab_size"]:
         fail(f"{name}={path!r} was trained with a tokenizer of {size} ids, and the data in {data_dir}, which records "
              f"no tokenizer, uses {data_meta['vocab_size']}: the divergence would compare the models over the first "
              f"{data_meta['vocab_size']} alone; prepare the data with data_prep.py and that tokenizer, or give its "
