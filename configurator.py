@@ -190,7 +190,7 @@ TRAINING_ONLY = ("max_iters", "learning_rate", "min_lr", "lr_decay_iters", "warm
                  "grad_clip", "optimizer_in_bwd", "range_lr_ratio", "norm_lr_ratio", "gradient_accumulation_steps", "accumulate_unsharded",
                  "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "sharded_checkpoint", "fake_quant_after_n_steps",
                  "activation_checkpointing", "activation_offloading", "profile", "profile_wait", "profile_warmup",
-                 "profile_active", "peak_flops_per_device", "seed")
+                 "profile_active", "peak_flops_per_device", "seed", "ema_decay")
 
 
 def command_line_keys(argv=None):
@@ -244,6 +244,9 @@ def check_training(c, overridden, world_size):
         # checked before any work: a failed import later would come after the old log was set aside
         (c["wandb_log"] and importlib.util.find_spec("wandb") is None,
          "wandb_log=True needs the wandb package: pip install wandb"),
+        (not 0 <= c["ema_decay"] < 1,
+         f"ema_decay={c['ema_decay']} is the weight each step keeps of the running average (0: off); give a value in [0, 1), "
+         f"e.g. 0.9 for about the last 10 steps"),
         (c["min_lr"] > c["learning_rate"],
          f"min_lr={c['min_lr']} is above learning_rate={c['learning_rate']}, the peak the schedule decays from"),
         (c["profile"] and not c.get("convert_only") and c["max_iters"] < sum(c[f"profile_{k}"] for k in ("wait", "warmup", "active")),

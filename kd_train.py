@@ -144,6 +144,11 @@ norm_lr_ratio = 1.0  # the RMSNorm gains' learning rate, as a multiple of the we
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # clip the global gradient norm to this; float('inf') logs it without clipping
+# > 0: the student ends as the running average of its trained weights over the steps, each step
+# keeping ema_decay of the average (about the last 1 / (1 - ema_decay) steps count), restarted when
+# fake quant begins: what is evaluated, saved and converted. One more copy of the trained weights
+# (README, Quality)
+ema_decay = 0.0
 # system
 device = "cpu"  # 'cpu' or 'cuda'
 dtype = "float32"  # 'float32' or 'bfloat16'
@@ -401,6 +406,11 @@ if init_from == "resume":
         fail(str(e))
     if changes and master_process:
         print(f"note: the training settings change from the checkpoint's step: {changes}")
+    if (was := ckpt["config"].get("ema_decay", 0.0)) != ema_decay:  # the average it holds is that one's
+        fail(f"{resume_path} was trained with ema_decay={was}; resume with the same or start a new out_dir")
+    if ckpt.get("weights_averaged") and max_iters > ckpt["iter_num"] and master_process:
+        print(f"note: {resume_path} ended its run by replacing the weights with their average (ema_decay); "
+              f"training continues from that average, not from its last step's weights")
     if bool(ckpt["config"].get("teacher_topk_dir")) != from_store:  # the whole distribution, or its stored top k
         fail(f"{resume_path} was trained {'from a top-k store' if not from_store else 'with an online teacher'}; resume it "
              f"{'from its store (teacher_topk_dir)' if not from_store else 'without teacher_topk_dir'}")
@@ -841,6 +851,8 @@ def init_optimizer_state(opt):
             opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
                             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            if ema_decay:  # the weight's running average: beside AdamW's state, so checkpoints keep it (set below)
+                opt.state[p]["ema"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 # optimizer: AdamW over the trainable parameters (the adapters alone with LoRA), decay on weight
@@ -888,6 +900,17 @@ def get_lr(it):
 
 def fake_quant_on(it):
     return quant_bits is not None and it >= fake_quant_after_n_steps
+
+
+def weight_averages():
+    """(averages, weights): this process's shards of the running averages (ema_decay) and of the
+    trained weights, in the same order, to update in place"""
+    pairs = [(optimizer.state[p]["ema"], p) for group in optimizer.param_groups for p in group["params"]]
+    return [a.to_local() for a, _ in pairs], [p.detach().to_local() for _, p in pairs]
+
+
+if ema_decay and init_from != "resume" and not topk_write:  # the average starts at the weights training starts from
+    torch._foreach_copy_(*weight_averages())
 
 
 # -----------------------------------------------------------------------------
@@ -1134,6 +1157,7 @@ def save_checkpoint():
     small = {"script": "kd_train.py", "model_args": vars(model_args).copy(), "iter_num": iter_num,
              "epoch": iter_num // steps_per_epoch, "config": config, "quantizer": quantizer, "group_size": group_size,
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1), "teacher_init": teacher_init,
+             "weights_averaged": bool(ema_decay) and iter_num == max_iters,  # the loop's end replaced them
              "store_k": store_meta["k"] if from_store else None,
              "teacher_val_loss": teacher_val_loss, "teacher_digest": teacher_digest, "tokenizer": data_tokenizer,
              "data": data_meta.get("data"), "stop_ids": source_stops, "generation": generation, "rng": rngs}
@@ -1242,13 +1266,14 @@ if master_process:
         os.replace(log_path, log_path + ".prev")
         print(f"{log_path} held an earlier run's log: moved to log.jsonl.prev")
     if init_from == "resume" and os.path.exists(log_path):
-        # the lines of steps after the checkpoint, an event at its step and the summary are about to
-        # come again; the rest is rewritten to a temp file and renamed, so a kill keeps one whole log
+        # the lines of steps after the checkpoint, an event at its step (not the end's average, done
+        # before it was written) and the summary are about to come again; the rest is rewritten to a temp file and renamed, so a kill keeps one whole log
         # (a line a kill tore in half is dropped)
         with open(log_path) as f:
             records = [r for r in map(_json_or_none, f) if r is not None]
         kept = [json.dumps(r) + "\n" for r in records
-                if (r["iter"] < iter_num or r["iter"] == iter_num and "event" not in r) and "fp_val_loss" not in r]
+                if (r["iter"] < iter_num or r["iter"] == iter_num and r.get("event") in (None, "weights_averaged"))
+                and "fp_val_loss" not in r]
         with open(log_path + ".tmp", "w") as f:
             f.writelines(kept)
             f.flush()
@@ -1373,6 +1398,8 @@ with profiler as prof:
             set_fake_quant(model, True)
             if range_learning:  # scales for the weights as they are now, not as they were at step 0
                 restart_scales(model)
+            if ema_decay:  # average only weights trained under fake quant, as they will be converted
+                torch._foreach_copy_(*weight_averages())
             if master_process:
                 pbar.write(f"step {iter_num}: fake quant enabled")
             log({"iter": iter_num, "event": "fake_quant_enabled"})
@@ -1401,6 +1428,15 @@ with profiler as prof:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
+        if ema_decay:
+            with torch.no_grad():
+                averages, weights = weight_averages()
+                torch._foreach_lerp_(averages, weights, 1.0 - ema_decay)
+                if iter_num == max_iters:  # the end: the average is the student from here on
+                    torch._foreach_copy_(weights, averages)
+                    if master_process:
+                        pbar.write(f"step {iter_num}: weights replaced by their running average (ema_decay={ema_decay})")
+                    log({"iter": iter_num, "event": "weights_averaged"})
         # this step's verdict, kept on the device (no sync): 0 finite, 1 the CE, 2 the KD term (unless
         # kd_ratio is 0: then it is only logged), 3 the gradient
         verdict = torch.where(ce_sum.isfinite(), torch.where(kd_sum.isfinite() | (kd_ratio == 0),

@@ -112,6 +112,11 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # clip the global gradient norm to this; float('inf') logs it without clipping
 optimizer_in_bwd = False  # step each parameter inside backward, freeing its gradient early
+# > 0: the model trained ends as the running average of its weights over the steps, each step
+# keeping ema_decay of the average (about the last 1 / (1 - ema_decay) steps count), restarted when
+# fake quant begins: what is evaluated, saved and converted. One more copy of the trained weights
+# (README, Quality)
+ema_decay = 0.0
 # system
 device = "cpu"  # 'cpu' or 'cuda'
 dtype = "float32"  # 'float32' or 'bfloat16'
@@ -295,6 +300,11 @@ if init_from == "resume":  # these decide which batches a step sees, or what the
         fail(str(e))
     if changes and master_process:
         print(f"note: the training settings change from the checkpoint's step: {changes}")
+    if not convert_only and (was := ckpt["config"].get("ema_decay", 0.0)) != ema_decay:  # the average it holds is that one's
+        fail(f"{resume_path} was trained with ema_decay={was}; resume with the same or start a new out_dir")
+    if ckpt.get("weights_averaged") and max_iters > ckpt["iter_num"] and master_process:
+        print(f"note: {resume_path} ended its run by replacing the weights with their average (ema_decay); "
+              f"training continues from that average, not from its last step's weights")
     if gptq_tokens and ckpt["config"].get("gptq_tokens") != gptq_tokens:  # GPTQ is a finetune's start, not a resume's
         fail(f"{resume_path} did not start from GPTQ over {gptq_tokens} tokens (gptq_tokens="
              f"{ckpt['config'].get('gptq_tokens', 0)}), and a resume continues its weights as they are; drop gptq_tokens")
@@ -569,6 +579,8 @@ def init_optimizer_state(opt):
             opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
                             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            if ema_decay:  # the weight's running average: beside AdamW's state, so checkpoints keep it (set below)
+                opt.state[p]["ema"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 # optimizer: AdamW, weight decay on weight matrices only (not on learned scales: it would shrink
@@ -628,6 +640,17 @@ def get_lr(it):
 
 def fake_quant_on(it):
     return quant_bits is not None and it >= fake_quant_after_n_steps
+
+
+def weight_averages():
+    """(averages, weights): this process's shards of the running averages (ema_decay) and of the
+    trained weights, in the same order, to update in place"""
+    pairs = [(opt.state[p]["ema"], p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    return [a.to_local() for a, _ in pairs], [p.detach().to_local() for _, p in pairs]
+
+
+if ema_decay and init_from != "resume" and not convert_only:  # the average starts at the weights training starts from
+    torch._foreach_copy_(*weight_averages())
 
 
 # -----------------------------------------------------------------------------
@@ -715,6 +738,7 @@ def save_checkpoint():
              "epoch": iter_num // max(steps_per_epoch, 1), "config": config, "quantizer": quantizer, "group_size": group_size,
              # how these weights were trained (the last step taken), as ckpt_fake_quant reads it
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
+             "weights_averaged": bool(ema_decay) and iter_num == max_iters,  # the loop's end replaced them
              "tokenizer": data_tokenizer, "data": data_meta.get("data"), "stop_ids": source_stops, "generation": generation,
              "rng": rngs}
     save_training_checkpoint(model, optimizers, small, out_dir, sharded_checkpoint)
@@ -739,15 +763,16 @@ if master_process:
         os.replace(log_path, log_path + ".prev")
         print(f"{log_path} held an earlier run's log: moved to log.jsonl.prev")
     if init_from == "resume" and os.path.exists(log_path):
-        # the lines of steps after the checkpoint, an event at its step and the summary are about to
-        # come again; the rest is rewritten to a temp file and renamed, so a kill keeps one whole log
+        # the lines of steps after the checkpoint, an event at its step (not the end's average, done
+        # before it was written) and the summary are about to come again; the rest is rewritten to a temp file and renamed, so a kill keeps one whole log
         # (a line a kill tore in half is dropped)
         with open(log_path) as f:
             records = [r for r in map(_json_or_none, f) if r is not None]
         for r in records:  # the start's baseline, which a resume does not evaluate again, for its summary too
             baseline.update({k: v for k, v in r.items() if k in ("init_fp_val_loss", "init_ptq_val_loss", "init_gptq_val_loss")})
         kept = [json.dumps(r) + "\n" for r in records
-                if (r["iter"] < iter_num or r["iter"] == iter_num and "event" not in r) and "fp_val_loss" not in r]
+                if (r["iter"] < iter_num or r["iter"] == iter_num and r.get("event") in (None, "weights_averaged"))
+                and "fp_val_loss" not in r]
         with open(log_path + ".tmp", "w") as f:
             f.writelines(kept)
             f.flush()
@@ -917,6 +942,8 @@ with profiler as prof:
             set_fake_quant(model, True)
             if range_learning:  # scales for the weights as they are now, not as they were at step 0
                 restart_scales(model)
+            if ema_decay:  # average only weights trained under fake quant, as they will be converted
+                torch._foreach_copy_(*weight_averages())
             if master_process:
                 pbar.write(f"step {iter_num}: fake quant enabled")
             log({"iter": iter_num, "event": "fake_quant_enabled"})
@@ -948,6 +975,15 @@ with profiler as prof:
             optimizers[0].step()
             optimizers[0].zero_grad(set_to_none=True)
         iter_num += 1
+        if ema_decay:
+            with torch.no_grad():
+                averages, weights = weight_averages()
+                torch._foreach_lerp_(averages, weights, 1.0 - ema_decay)
+                if iter_num == max_iters:  # the end: the average is the model from here on
+                    torch._foreach_copy_(weights, averages)
+                    if master_process:
+                        pbar.write(f"step {iter_num}: weights replaced by their running average (ema_decay={ema_decay})")
+                    log({"iter": iter_num, "event": "weights_averaged"})
         # this step's verdict, kept on the device (no sync): 0 finite, 1 the loss, 2 the gradient
         grad_ok = grad_finite if optimizer_in_bwd else grad_norm.to_local().isfinite()
         verdict = torch.where(loss_sum.isfinite(), torch.where(grad_ok, 0, 2), 1)

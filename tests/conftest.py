@@ -112,6 +112,14 @@ model.FusedFakeQuantizer.forward = lambda self, x: fake_quantize(self, x.detach(
 ZEROED_GRADIENTS = """import model, torch
 model._FakeQuantize.backward = staticmethod(lambda ctx, grad: (torch.zeros_like(grad), None, None, None, None))"""
 
+# for run_patched: the run ends, as a kill would, right after it writes its first checkpoint
+STOP_AFTER_CHECKPOINT = """import checkpoint, os
+save = checkpoint.save_training_checkpoint
+def save_and_stop(*args, **kwargs):
+    save(*args, **kwargs)
+    os._exit(0)
+checkpoint.save_training_checkpoint = save_and_stop"""
+
 
 # runs a script several times in one interpreter, so torch and torchao are imported once
 _DRIVER = r"""

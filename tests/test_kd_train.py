@@ -19,14 +19,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DETACHED_WEIGHTS, ROOT, command, make_data, read_log, run, run_patched, script_env
+from conftest import DETACHED_WEIGHTS, ROOT, STOP_AFTER_CHECKPOINT, command, make_data, read_log, run, run_patched, script_env
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import load_adapter, load_checkpoint  # noqa: E402
 from model import IGNORE_INDEX, PRESETS, ModelArgs, Transformer, initial_scales, learn_scales  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 from torchao.quantization.qat import QATConfig  # noqa: E402
-from test_qat_train import base_config, is_linear  # noqa: E402
+from test_qat_train import base_config, is_linear, running_average  # noqa: E402
 
 V = 256  # the data's vocabulary
 ENV = {"OMP_NUM_THREADS": "1"}  # the toy models are far slower with threads competing for 2 cores
@@ -597,6 +597,33 @@ def test_qad_learned_scales_resume_and_convert(setup, tmp_path):
     teacher = weights(setup["teacher"])
     assert max((end[k] - teacher[k]).abs().max().item() for k in teacher if k.endswith("norm.weight")) == pytest.approx(3 * lr, rel=1e-3)
     assert max((end[k] - teacher[k]).abs().max().item() for k in teacher if k.endswith("wq.weight")) == pytest.approx(lr, rel=1e-3)
+
+
+def test_qad_weight_average_ends_the_run_and_resumes(setup, tmp_path):
+    # ema_decay: the student ends as the running average of its weights since fake quant began
+    # (step 1), trained as without it; the checkpoint keeps the average, so a run stopped resumes exactly
+    common = dict(TRAIN, data_dir=setup["data"], init_from=setup["student"], teacher_init=setup["teacher"],
+                  quantizer="8da4w", fake_quant_after_n_steps=1, lr_decay_iters=TRAIN["max_iters"])
+    steps, decay = TRAIN["max_iters"], 0.5
+    dirs = {k: str(tmp_path / str(k)) for k in (*range(1, steps + 1), "averaged", "stopped")}
+    run_in_one_process([("kd_train.py", dict(common, out_dir=dirs[k], max_iters=k)) for k in range(1, steps + 1)]
+                       + [("kd_train.py", dict(common, out_dir=dirs["averaged"], ema_decay=decay))], tmp_path)
+    plain = [weights(os.path.join(dirs[k], "ckpt.pt")) for k in range(1, steps + 1)]
+    straight = read_log(dirs["averaged"])
+    assert_same_training(train_lines(straight), train_lines(read_log(dirs[steps])))
+    averaged = weights(os.path.join(dirs["averaged"], "model.pt"))
+    assert_same_weights(averaged, running_average(plain, decay), atol=1e-6)
+    assert max((averaged[k] - plain[-1][k]).abs().max().item() for k in averaged) > 1e-3  # not the last step's
+    assert [(r["iter"], r["event"]) for r in straight if "event" in r] == [(1, "fake_quant_enabled"), (steps, "weights_averaged")]
+    settings = dict(common, out_dir=dirs["stopped"], ema_decay=decay)
+    r = run_patched("kd_train.py", STOP_AFTER_CHECKPOINT, env=ENV, **dict(settings, ckpt_interval=2))
+    assert r.returncode == 0 and torch.load(os.path.join(dirs["stopped"], "ckpt.pt"), weights_only=True)["iter_num"] == 2, r.stderr[-4000:]
+    run("kd_train.py", env=ENV, **dict(settings, init_from="resume"))
+    assert_same_training(train_lines(read_log(dirs["stopped"])), train_lines(straight))
+    assert_same_weights(weights(os.path.join(dirs["stopped"], "model.pt")), averaged, atol=1e-6)
+    assert read_log(dirs["stopped"])[-1]["quant_val_loss"] == pytest.approx(straight[-1]["quant_val_loss"], rel=1e-6)
+    r = run("kd_train.py", check=False, env=ENV, **dict(settings, init_from="resume", ema_decay=0.9))
+    assert r.returncode == 2 and f"was trained with ema_decay={decay}; resume with the same" in r.stderr, r.stderr[-2000:]
 
 
 def test_qad_delayed_learned_scales_and_resume_settings(setup, tmp_path):

@@ -29,7 +29,7 @@ from torchao.quantization import (  # noqa: E402
 from torchao.quantization.qat import QATConfig  # noqa: E402
 
 from configurator import TRAINING_ONLY  # noqa: E402
-from conftest import DETACHED_WEIGHTS, ZEROED_GRADIENTS, command, make_data, read_log, run, run_early_exits, run_patched, script_env  # noqa: E402
+from conftest import DETACHED_WEIGHTS, STOP_AFTER_CHECKPOINT, ZEROED_GRADIENTS, command, make_data, read_log, run, run_early_exits, run_patched, script_env  # noqa: E402
 from model import IGNORE_INDEX, ModelArgs, Transformer, initial_scales, learn_scales  # noqa: E402
 
 SCRIPT = "qat_train.py"
@@ -286,6 +286,52 @@ def test_kill_and_resume_reproduces_straight_run(train, data, tmp_path):
     assert max_weight_diff(weights(out), weights(straight)) < 1e-6
     assert summary(log)["fp_val_loss"] == pytest.approx(summary(read_log(straight))["fp_val_loss"], rel=1e-6)
     assert not (out / "ckpt.pt.tmp").exists() and not (out / "quantized.pt.tmp").exists()
+
+
+def running_average(trajectory, decay):
+    """The weights' running average over trajectory (state dicts, the first the average's start)."""
+    average = trajectory[0]
+    for w in trajectory[1:]:
+        average = {k: v.lerp(w[k], 1 - decay) for k, v in average.items()}
+    return average
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_file", "sharded"])
+def test_weight_average_ends_the_run_and_resumes(train, data, tmp_path, sharded):
+    # ema_decay: the run ends with the running average of its weights since fake quant began (step N),
+    # trained as without it; a checkpoint keeps the average, so a run stopped after it resumes exactly
+    decay, steps = 0.5, N + 2
+    plain = {k: weights(train(**QAT, max_iters=k, lr_decay_iters=steps)) for k in range(N, steps + 1)}
+    straight = train(**QAT, max_iters=steps, lr_decay_iters=steps, ema_decay=decay)
+    log = read_log(straight)
+    assert_same_losses(losses(log), losses(read_log(train(**QAT, max_iters=steps, lr_decay_iters=steps))), rel=1e-6)
+    assert max_weight_diff(weights(straight), running_average([plain[k] for k in range(N, steps + 1)], decay)) < 1e-6
+    assert max_weight_diff(weights(straight), plain[steps]) > 1e-3  # not the last step's weights
+    assert [(r["iter"], r["event"]) for r in log if "event" in r] == [(N, "fake_quant_enabled"), (steps, "weights_averaged")]
+    assert torch.load(os.path.join(straight, "ckpt.pt"), weights_only=True)["weights_averaged"]
+    out = tmp_path / "stopped"
+    settings = {**BASE, **QAT, "data_dir": data, "out_dir": out, "max_iters": steps, "lr_decay_iters": steps,
+                "ema_decay": decay, "sharded_checkpoint": sharded}
+    r = run_patched(SCRIPT, STOP_AFTER_CHECKPOINT, **{**settings, "ckpt_interval": N + 1})
+    assert r.returncode == 0 and not (out / "quantized.pt").exists(), r.stderr[-4000:]
+    run(SCRIPT, **{**settings, "init_from": "resume"})
+    resumed = read_log(out)
+    assert_same_losses(losses(resumed), losses(log), rel=1e-6)
+    for key in ("fp_val_loss", "quant_val_loss"):
+        assert summary(resumed)[key] == pytest.approx(summary(log)[key], rel=1e-6)
+    assert [(r["iter"], r["event"]) for r in resumed if "event" in r] == [(N, "fake_quant_enabled"), (steps, "weights_averaged")]
+    if not sharded:
+        assert max_weight_diff(weights(out), weights(straight)) < 1e-6
+        # the average it holds is that decay's: another is refused
+        r = run(SCRIPT, check=False, **{**settings, "init_from": "resume", "ema_decay": 0.9})
+        assert r.returncode == 2 and f"was trained with ema_decay={decay}; resume with the same" in r.stderr, r.stderr[-2000:]
+
+
+def test_weight_average_two_processes_match_one(train):
+    # each process averages its own shards of the weights
+    one, two = (weights(train(nproc, max_iters=4, ema_decay=0.5)) for nproc in (1, 2))
+    assert max_weight_diff(two, one) < 1e-5
+    assert max_weight_diff(one, weights(train(max_iters=4))) > 1e-3
 
 
 @pytest.mark.parametrize("script, store", [(SCRIPT, False), ("kd_train.py", False), ("kd_train.py", True)])
