@@ -233,7 +233,7 @@ TRAINING = dict(quantizer="8da4w", dtype="float32", device="cpu", export_format=
                 cpu_offload=False, activation_offloading=False, gradient_accumulation_steps=0, replicate_degree=1,
                 group_size=32, quantize_embedding=False, init_from="scratch", range_learning=False, range_lr_ratio=1.0,
                 wandb_log=False, learning_rate=3e-4, min_lr=3e-5, profile=False, max_iters=300, profile_wait=5,
-                profile_warmup=2, profile_active=3)
+                profile_warmup=2, profile_active=3, ema_decay=0.0)
 
 
 @pytest.mark.parametrize("settings, overridden, world_size, words", [
@@ -246,6 +246,7 @@ TRAINING = dict(quantizer="8da4w", dtype="float32", device="cpu", export_format=
     (dict(replicate_degree=3), [], 4, "replicate_degree=3 must divide"),
     (dict(init_from="out/x/ckpt.pt", n_layer=4), ["n_layer"], 1, "carries its own shape"),
     (dict(min_lr=1e-3), [], 1, "min_lr=0.001 is above learning_rate=0.0003"),
+    (dict(ema_decay=1.0), [], 1, "ema_decay=1.0 is the weight each step keeps of the running average (0: off)"),
     (dict(profile=True, max_iters=9), [], 1, "past max_iters=9: no trace would be written"),
     (dict(wandb_project="p"), ["wandb_project"], 1, "wandb_project only matter with wandb_log=True"),
     (dict(), ["profile_wait", "wandb_run_name"], 1, "wandb_run_name, profile_wait only matter with profile and wandb_log=True"),
