@@ -247,6 +247,9 @@ def check_training(c, overridden, world_size):
         (not 0 <= c["ema_decay"] < 1,
          f"ema_decay={c['ema_decay']} is the weight each step keeps of the running average (0: off); give a value in [0, 1), "
          f"e.g. 0.9 for about the last 10 steps"),
+        (c["ema_decay"] and dtype == "bfloat16" and not c["mixed_precision"],
+         "ema_decay averages the weights in their dtype, and in bfloat16 the rounding swallows the small steps between "
+         "them (the average would stay near where it started); set mixed_precision=True (fp32 master weights) or drop ema_decay"),
         (c["min_lr"] > c["learning_rate"],
          f"min_lr={c['min_lr']} is above learning_rate={c['learning_rate']}, the peak the schedule decays from"),
         (c["profile"] and not c.get("convert_only") and c["max_iters"] < sum(c[f"profile_{k}"] for k in ("wait", "warmup", "active")),

@@ -247,6 +247,7 @@ TRAINING = dict(quantizer="8da4w", dtype="float32", device="cpu", export_format=
     (dict(init_from="out/x/ckpt.pt", n_layer=4), ["n_layer"], 1, "carries its own shape"),
     (dict(min_lr=1e-3), [], 1, "min_lr=0.001 is above learning_rate=0.0003"),
     (dict(ema_decay=1.0), [], 1, "ema_decay=1.0 is the weight each step keeps of the running average (0: off)"),
+    (dict(ema_decay=0.9, dtype="bfloat16"), [], 1, "in bfloat16 the rounding swallows the small steps between them"),
     (dict(profile=True, max_iters=9), [], 1, "past max_iters=9: no trace would be written"),
     (dict(wandb_project="p"), ["wandb_project"], 1, "wandb_project only matter with wandb_log=True"),
     (dict(), ["profile_wait", "wandb_run_name"], 1, "wandb_run_name, profile_wait only matter with profile and wandb_log=True"),
