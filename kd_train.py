@@ -1267,8 +1267,8 @@ if master_process:
         print(f"{log_path} held an earlier run's log: moved to log.jsonl.prev")
     if init_from == "resume" and os.path.exists(log_path):
         # the lines of steps after the checkpoint, an event at its step (not the end's average, done
-        # before it was written) and the summary are about to come again; the rest is rewritten to a temp file and renamed, so a kill keeps one whole log
-        # (a line a kill tore in half is dropped)
+        # before it was written) and the summary are about to come again; the rest is rewritten to a
+        # temp file and renamed, so a kill keeps one whole log (a line a kill tore in half is dropped)
         with open(log_path) as f:
             records = [r for r in map(_json_or_none, f) if r is not None]
         kept = [json.dumps(r) + "\n" for r in records
