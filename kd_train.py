@@ -904,7 +904,8 @@ def fake_quant_on(it):
 
 def weight_averages():
     """(averages, weights): this process's shards of the running averages (ema_decay) and of the
-    trained weights, in the same order, to update in place"""
+    trained weights, in the same order, to update in place; taken afresh at each use, since FSDP2 may
+    re-pad a parameter's shard into new memory (at its first forward), leaving older views behind"""
     pairs = [(optimizer.state[p]["ema"], p) for group in optimizer.param_groups for p in group["params"]]
     return [a.to_local() for a, _ in pairs], [p.detach().to_local() for _, p in pairs]
 
