@@ -897,21 +897,36 @@ def _hf_config(args, dtype, bos_id=None, eos_id=None):
     return config
 
 
-def _hf_tokenizer_config(tokenizer_model):
-    """tokenizer_config.json for a tokenizer.model that comes without one (data_prep's SentencePiece
-    model, Meta's Llama 3 tiktoken file): without it transformers' AutoTokenizer puts no BOS before
-    a text, and reads a tiktoken file without its special tokens, so the export would see ids it
-    never saw in training. With it, it encodes text as data_prep did."""
+def _hf_tokenizer_config(names):
+    """The tokenizer_config.json an export writes for a tokenizer.model without a tokenizer.json, so
+    that transformers' AutoTokenizer encodes text as data_prep did (None: the data's files do as
+    they are). Without a config it puts no BOS before a text, and reads a tiktoken file without its
+    special tokens. A SentencePiece model's own config may name a tokenizer_class (LlamaTokenizer),
+    which transformers 5 builds with a pipeline of its own instead of the model's, or say legacy
+    false, which there leaves out the space the model puts before a text that starts with one: those
+    go. Without them it builds the tokenizer from the model's own normalizer and pieces, and encodes
+    as SentencePiece does."""
+    if "tokenizer.model" not in names or "tokenizer.json" in names:
+        return None
     from data_prep import LLAMA3_SPECIALS, load_tokenizer
-    tok = load_tokenizer(tokenizer_model)
+    tok = load_tokenizer(names["tokenizer.model"])
+    if "tokenizer_config.json" in names:
+        with open(names["tokenizer_config.json"]) as f:
+            config = json.load(f)
+        if tok.kind != "sentencepiece" or not (dropped := {k: config.pop(k) for k in ("tokenizer_class", "legacy") if k in config}):
+            return None
+        print(f"export_hf: tokenizer_config.json written without its {', '.join(f'{k} {v!r}' for k, v in dropped.items())}, "
+              f"with which transformers 5 encodes otherwise than the SentencePiece model the data was encoded with")
+        # what data_prep read in its absence, said where transformers' default differs
+        return {**config, "add_bos_token": config.get("add_bos_token", True)}
     if tok.kind == "tiktoken":
-        names = dict(enumerate(LLAMA3_SPECIALS, tok.vocab_size - len(LLAMA3_SPECIALS)))
+        specials = dict(enumerate(LLAMA3_SPECIALS, tok.vocab_size - len(LLAMA3_SPECIALS)))
         special = dict(lstrip=False, rstrip=False, normalized=False, single_word=False, special=True)
-        config = {"bos_token": names[tok.bos_id], "eos_token": names[tok.eos_id],
-                  "added_tokens_decoder": {str(i): {"content": t, **special} for i, t in names.items()}}
+        config = {"bos_token": specials[tok.bos_id], "eos_token": specials[tok.eos_id],
+                  "added_tokens_decoder": {str(i): {"content": t, **special} for i, t in specials.items()}}
     else:
         import sentencepiece as spm
-        sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+        sp = spm.SentencePieceProcessor(model_file=names["tokenizer.model"])
         # the BOS and EOS the data holds: a special_tokens_map.json beside the model may name others than its own
         bos = tok.bos_id if tok.bos_id is not None else sp.bos_id()
         config = {"bos_token": sp.id_to_piece(bos) if bos >= 0 else None, "eos_token": sp.id_to_piece(tok.eos_id)}
@@ -927,8 +942,7 @@ def export_hf(state_dict, args, out_dir, tokenizer_files=(), bos_id=None, eos_id
     _check_tokenizer_files(tokenizer_files, ("config.json", "generation_config.json", "model.safetensors",
                                              "nanotune.json"))
     names = {os.path.basename(f): f for f in tokenizer_files}
-    tokenizer_config = (_hf_tokenizer_config(names["tokenizer.model"])
-                        if "tokenizer.model" in names and "tokenizer_config.json" not in names else None)
+    tokenizer_config = _hf_tokenizer_config(names)
     sd = _plain(state_dict, args)
     if args.tie_embeddings:  # safetensors refuses shared tensors, and transformers re-ties them
         del sd["output.weight"]
@@ -940,8 +954,9 @@ def export_hf(state_dict, args, out_dir, tokenizer_files=(), bos_id=None, eos_id
         # transformers refuses safetensors files without the format in their metadata
         save_file({k: v.contiguous() for k, v in meta_to_hf(sd, args).items()},
                   os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer_config:
+        if tokenizer_config:  # in place of the data's
             _write_json(tokenizer_config, os.path.join(tmp, "tokenizer_config.json"))
+            tokenizer_files = [f for f in tokenizer_files if os.path.basename(f) != "tokenizer_config.json"]
         _finish(tmp, tokenizer_files, provenance)
 
 

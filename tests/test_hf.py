@@ -338,11 +338,14 @@ def test_rope_frequencies_of_real_llama3_configs(factor):
     assert (ours < plain).sum() > 0 and (ours == plain).sum() > 0  # some stretched, some kept
 
 
-@pytest.mark.parametrize("kind", ["sentencepiece", "sentencepiece-dummy-prefix", "sentencepiece-map-bos", "tiktoken"])
-def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_path, kind, monkeypatch):
+@pytest.mark.parametrize("kind", ["sentencepiece", "sentencepiece-dummy-prefix", "sentencepiece-map-bos", "tiktoken",
+                                  "sentencepiece-llama-class", "sentencepiece-dummy-prefix-llama-class"])
+def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_path, kind, monkeypatch, capsys):
     # a tokenizer.model alone (data_prep's SentencePiece model, Llama 2's, Meta's Llama 3 tiktoken
     # file): the export adds the tokenizer_config.json without which AutoTokenizer drops the BOS
-    # and, for tiktoken, the special tokens
+    # and, for tiktoken, the special tokens. A SentencePiece model's own config naming LlamaTokenizer
+    # (which transformers 5 builds with a pipeline of its own: a space put before every text where the
+    # model adds none) or saying legacy false (a leading space dropped) goes without them
     sys.path.insert(0, str(ROOT / "tests"))
     import sentencepiece as spm
     from data_prep import load_tokenizer
@@ -353,9 +356,9 @@ def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_pa
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
     if kind == "tiktoken":
         write_tiktoken(src)
-    elif kind == "sentencepiece":
+    elif kind in ("sentencepiece", "sentencepiece-llama-class"):
         write_sentencepiece(src)
-    elif kind == "sentencepiece-dummy-prefix":  # as Llama 2's: a space put in front of every text
+    elif kind.startswith("sentencepiece-dummy-prefix"):  # as Llama 2's: a space put in front of every text
         spm.SentencePieceTrainer.train(sentence_iterator=iter("".join(TEXTS.values()).splitlines()), model_writer=open(src, "wb"),
                                        vocab_size=400, model_type="bpe", byte_fallback=True, add_dummy_prefix=True)
     else:  # a special_tokens_map.json beside the model names a BOS other than the model's own <s>
@@ -364,11 +367,19 @@ def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_pa
         proto.pieces.add(piece="<|begin|>", score=0.0, type=pb.ModelProto.SentencePiece.USER_DEFINED)
         src.write_bytes(proto.SerializeToString())
         (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|begin|>"}))
+    if kind.endswith("llama-class"):  # Llama 2's own config, less its add_bos_token (True when unsaid, to both sides)
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "legacy": False,
+                                                                   "bos_token": "<s>", "eos_token": "</s>"}))
     ours = load_tokenizer(src)
-    files = [str(p) for p in (src, tmp_path / "special_tokens_map.json") if p.exists()]
-    assert len(files) == 1 + (kind == "sentencepiece-map-bos") and (kind != "sentencepiece-map-bos" or ours.bos_id == len(proto.pieces) - 1)
+    files = [str(p) for p in (src, tmp_path / "special_tokens_map.json", tmp_path / "tokenizer_config.json") if p.exists()]
+    assert len(files) == 1 + (kind == "sentencepiece-map-bos" or kind.endswith("llama-class"))
+    assert kind != "sentencepiece-map-bos" or ours.bos_id == len(proto.pieces) - 1
     args, sd = load_checkpoint(str(save_hf(hf_model("llama2"), tmp_path / "src", "5.x")))
     export_hf(sd, args, tmp_path / "out", tokenizer_files=files, bos_id=ours.bos_id, eos_id=ours.eos_id)
+    if kind.endswith("llama-class"):
+        assert "without its tokenizer_class 'LlamaTokenizer', legacy False, with which" in capsys.readouterr().out
+        assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == {
+            "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
     if kind == "sentencepiece-map-bos":  # the config the export adds agrees with the map: which of the two files wins
         # differs across transformers versions (data_prep refuses them disagreeing)
         assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["bos_token"] == "<|begin|>"
