@@ -898,27 +898,32 @@ def _hf_config(args, dtype, bos_id=None, eos_id=None):
 
 
 def _hf_tokenizer_config(names):
-    """The tokenizer_config.json an export writes for a tokenizer.model without a tokenizer.json, so
-    that transformers' AutoTokenizer encodes text as data_prep did (None: the data's files do as
-    they are). Without a config it puts no BOS before a text, and reads a tiktoken file without its
-    special tokens. A SentencePiece model's own config may name a tokenizer_class (LlamaTokenizer),
-    which transformers 5 builds with a pipeline of its own instead of the model's, or say legacy
-    false, which there leaves out the space the model puts before a text that starts with one: those
-    go. Without them it builds the tokenizer from the model's own normalizer and pieces, and encodes
-    as SentencePiece does."""
-    if "tokenizer.model" not in names or "tokenizer.json" in names:
-        return None
+    """The tokenizer_config.json an export writes, so that transformers' AutoTokenizer encodes text as
+    data_prep did (None: the data's files do as they are). Without a config, it puts no BOS before a
+    text from a tokenizer.model, and reads a tiktoken file without its special tokens. A
+    SentencePiece model's or a tokenizer.json's own config may name a tokenizer_class (Llama 2's
+    LlamaTokenizer), which transformers 5 builds with a pipeline of its own instead of the file's,
+    or say legacy false, which there and for a tokenizer.model leaves out the space SentencePiece
+    puts before a text that starts with one: those go. Without them it reads the file's own
+    pipeline, as data_prep does."""
     from data_prep import LLAMA3_SPECIALS, load_tokenizer
-    tok = load_tokenizer(names["tokenizer.model"])
+    main = names.get("tokenizer.json", names.get("tokenizer.model"))
     if "tokenizer_config.json" in names:
         with open(names["tokenizer_config.json"]) as f:
             config = json.load(f)
-        if tok.kind != "sentencepiece" or not (dropped := {k: config.pop(k) for k in ("tokenizer_class", "legacy") if k in config}):
+        keys = ["legacy"] if main == names.get("tokenizer.model") else []
+        if config.get("tokenizer_class") not in ("PreTrainedTokenizerFast", "TokenizersBackend"):  # which read the file as it is
+            keys = ["tokenizer_class", "legacy"]
+        if not (dropped := {k: config.pop(k) for k in keys if k in config}) or main is None \
+                or (tok := load_tokenizer(main)).kind == "tiktoken":
             return None
         print(f"export_hf: tokenizer_config.json written without its {', '.join(f'{k} {v!r}' for k, v in dropped.items())}, "
-              f"with which transformers 5 encodes otherwise than the SentencePiece model the data was encoded with")
-        # what data_prep read in its absence, said where transformers' default differs
-        return {**config, "add_bos_token": config.get("add_bos_token", True)}
+              f"with which transformers 5 encodes otherwise than {os.path.basename(main)} did for the data")
+        # said where transformers' default differs from what data_prep read (a SentencePiece model's BOS when unsaid)
+        return {**config, "add_bos_token": tok.bos_id is not None}
+    if main is None or main == names.get("tokenizer.json"):
+        return None
+    tok = load_tokenizer(main)
     if tok.kind == "tiktoken":
         specials = dict(enumerate(LLAMA3_SPECIALS, tok.vocab_size - len(LLAMA3_SPECIALS)))
         special = dict(lstrip=False, rstrip=False, normalized=False, single_word=False, special=True)
@@ -926,7 +931,7 @@ def _hf_tokenizer_config(names):
                   "added_tokens_decoder": {str(i): {"content": t, **special} for i, t in specials.items()}}
     else:
         import sentencepiece as spm
-        sp = spm.SentencePieceProcessor(model_file=names["tokenizer.model"])
+        sp = spm.SentencePieceProcessor(model_file=main)
         # the BOS and EOS the data holds: a special_tokens_map.json beside the model may name others than its own
         bos = tok.bos_id if tok.bos_id is not None else sp.bos_id()
         config = {"bos_token": sp.id_to_piece(bos) if bos >= 0 else None, "eos_token": sp.id_to_piece(tok.eos_id)}

@@ -391,3 +391,45 @@ def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_pa
         assert hf(text).input_ids == [ours.bos_id] + ours.encode(text), text
     assert (hf.bos_token_id, hf.eos_token_id) == (ours.bos_id, ours.eos_id)
     assert hf.decode([ours.eos_id]) == ("<|end_of_text|>" if kind == "tiktoken" else "</s>")
+
+
+def test_export_hf_tokenizer_json_with_llama_class_encodes_as_in_training(tmp_path, capsys):
+    # Llama 2's HF folder: a tokenizer.json that always puts a space before a text (as SentencePiece
+    # did), its config naming LlamaTokenizer with legacy false. transformers 5 builds that class's own
+    # pipeline instead of the file's, which drops a text's leading space: the export goes without them
+    sys.path.insert(0, str(ROOT / "tests"))
+    import sentencepiece as spm
+    from data_prep import load_tokenizer
+    from test_tokenizers import TEXTS
+    sp_dir, folder = tmp_path / "sp", tmp_path / "llama2"
+    sp_dir.mkdir()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter("".join(TEXTS.values()).splitlines()),
+                                   model_writer=open(sp_dir / "tokenizer.model", "wb"), vocab_size=400, model_type="bpe",
+                                   byte_fallback=True, add_dummy_prefix=True, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False)  # as Llama 2's
+    (sp_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+    transformers.AutoTokenizer.from_pretrained(sp_dir).save_pretrained(folder)  # transformers' own conversion
+    for name in os.listdir(folder):
+        if name not in ("tokenizer.json", "tokenizer_config.json"):
+            os.remove(folder / name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer", "legacy": False}))
+    ours = load_tokenizer(folder)
+    assert ours.kind == "hf" and ours.bos_id == 1
+    args, sd = load_checkpoint(str(save_hf(hf_model("llama2"), tmp_path / "src", "5.x")))
+    export_hf(sd, args, tmp_path / "out", tokenizer_files=ours.files, bos_id=ours.bos_id, eos_id=ours.eos_id)
+    assert "without its tokenizer_class 'LlamaTokenizer', legacy False, with which" in capsys.readouterr().out
+    assert "tokenizer_class" not in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in [t for t in TEXTS.values() if "<" not in t] + ["hello world", " a leading space", "  two"]:
+        assert hf(text).input_ids == [ours.bos_id] + ours.encode(text), text
+    # the source folder as it was: transformers 5 encodes a leading space otherwise than the data
+    source = transformers.AutoTokenizer.from_pretrained(folder)
+    assert source(" a leading space").input_ids != [ours.bos_id] + ours.encode(" a leading space")
+    # a class that reads the tokenizer.json as it is (Llama 3's) stays, legacy and all
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast", "legacy": False}))
+    export_hf(sd, args, tmp_path / "out3", tokenizer_files=ours.files, bos_id=ours.bos_id, eos_id=ours.eos_id)
+    assert "tokenizer_config.json written" not in capsys.readouterr().out
+    assert (tmp_path / "out3" / "tokenizer_config.json").read_text() == (folder / "tokenizer_config.json").read_text()
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out3")(" a leading space").input_ids == \
+        [ours.bos_id] + ours.encode(" a leading space")
