@@ -650,10 +650,6 @@ def weight_averages():
     return [a.to_local() for a, _ in pairs], [p.detach().to_local() for _, p in pairs]
 
 
-if ema_decay and init_from != "resume" and not convert_only:  # the average starts at the weights training starts from
-    torch._foreach_copy_(*weight_averages())
-
-
 # -----------------------------------------------------------------------------
 # helpers: evaluation, checkpointing, logging
 
@@ -875,6 +871,8 @@ if gptq_tokens and init_from != "resume":
         log({"iter": iter_num, "init_gptq_val_loss": baseline["init_gptq_val_loss"]})
         if master_process:
             print(f"start: val loss {baseline['init_gptq_val_loss']:.4f} after GPTQ {quantizer}")
+if ema_decay and init_from != "resume" and not convert_only:  # the average starts at the weights training starts from
+    torch._foreach_copy_(*weight_averages())  # (GPTQ's, with gptq_tokens)
 set_fake_quant(model, fake_quant_on(iter_num))
 if master_process and quant_bits is not None and not convert_only:
     print(f"fake quant ({quantizer}, group {group_size}) {'on' if fake_quant_on(iter_num) else 'off until step ' + str(fake_quant_after_n_steps)}")

@@ -863,6 +863,12 @@ def test_gptq_start(train, data, tmp_path):
     first = {name: losses(read_log(out))[1] for name, out in runs.items()}
     assert first["gptq"] < first["nearest"] - 0.01
     assert summary(read_log(runs["gptq"]))["method"] == "qat"
+    # the weights' running average starts at GPTQ's weights and scales, not at the checkpoint's: at so
+    # small a rate and a decay near 1, it ends about where the run without it does, not near the start
+    run(SCRIPT, **{**gptq, "out_dir": tmp_path / "averaged", "max_iters": 2, "learning_rate": 1e-6, "min_lr": 1e-7,
+                   "ema_decay": 0.99})
+    assert max_weight_diff(weights(tmp_path / "averaged"), weights(runs["gptq"])) < 1e-4
+    assert max_weight_diff(weights(runs["nearest"]), weights(runs["gptq"])) > 1e-2
     # and its resume neither runs GPTQ again nor refuses the setting it started with
     started = summary(read_log(runs["gptq"]))["init_gptq_val_loss"]
     r = run(SCRIPT, **{**gptq, "out_dir": runs["gptq"], "init_from": "resume", "max_iters": 3, "learning_rate": 1e-6,
