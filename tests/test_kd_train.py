@@ -310,8 +310,11 @@ def test_compiled_step_equals_eager(setup, tmp_path):
     final = [weights(os.path.join(c["out_dir"], "ckpt.pt")) for c in (eager, compiled)]
     start = weights(setup["student"])
     for k in final[0]:
-        moved = (final[0][k] - start[k]).abs().max()
-        assert (final[1][k] - final[0][k]).abs().max() <= 1e-3 * moved + 1e-6, k
+        # over the whole tensor: AdamW moves a weight whose gradient is near zero by about the rate, of
+        # either sign, so one element may part by a share of what the step moves (3e-5 of 0.02 on an AVX2
+        # machine), where a gradient sent astray moves the whole tensor otherwise
+        moved = (final[0][k] - start[k]).norm()
+        assert (final[1][k] - final[0][k]).norm() <= 1e-3 * moved + 1e-6, k
 
 
 def test_qad_weights_no_gradient_reaches_stop_the_run(setup, tmp_path):
