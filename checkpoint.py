@@ -911,16 +911,23 @@ def _hf_tokenizer_config(names):
     if "tokenizer_config.json" in names:
         with open(names["tokenizer_config.json"]) as f:
             config = json.load(f)
-        keys = ["legacy"] if main == names.get("tokenizer.model") else []
+        sentencepiece = main == names.get("tokenizer.model")
+        keys = ["legacy"] if sentencepiece else []
         if config.get("tokenizer_class") not in ("PreTrainedTokenizerFast", "TokenizersBackend"):  # which read the file as it is
             keys = ["tokenizer_class", "legacy"]
-        if not (dropped := {k: config.pop(k) for k in keys if k in config}) or main is None \
-                or (tok := load_tokenizer(main)).kind == "tiktoken":
+        dropped = {k: config.pop(k) for k in keys if k in config}
+        if main is None or (tok := load_tokenizer(main)).kind == "tiktoken" or not (dropped or sentencepiece):
             return None
-        print(f"export_hf: tokenizer_config.json written without its {', '.join(f'{k} {v!r}' for k, v in dropped.items())}, "
-              f"with which transformers 5 encodes otherwise than {os.path.basename(main)} did for the data")
-        # said where transformers' default differs from what data_prep read (a SentencePiece model's BOS when unsaid)
-        return {**config, "add_bos_token": tok.bos_id is not None}
+        if dropped:
+            print(f"export_hf: tokenizer_config.json written without its {', '.join(f'{k} {v!r}' for k, v in dropped.items())}, "
+                  f"with which transformers 5 encodes otherwise than {os.path.basename(main)} did for the data")
+        # said where transformers' default differs from what data_prep read: a SentencePiece model's BOS when
+        # unsaid (transformers 5 adds none without its LlamaTokenizer class), and no EOS after a prompt
+        said = {"add_bos_token": tok.bos_id is not None, **({"add_eos_token": False} if sentencepiece else {})}
+        if config.get("add_eos_token") and sentencepiece:
+            print("export_hf: tokenizer_config.json written with add_eos_token False: the data's documents end with "
+                  "an EOS, a prompt (sample.py's, a server's) does not")
+        return {**config, **said}
     if main is None or main == names.get("tokenizer.json"):
         return None
     tok = load_tokenizer(main)

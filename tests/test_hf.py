@@ -339,13 +339,16 @@ def test_rope_frequencies_of_real_llama3_configs(factor):
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "sentencepiece-dummy-prefix", "sentencepiece-map-bos", "tiktoken",
-                                  "sentencepiece-llama-class", "sentencepiece-dummy-prefix-llama-class"])
+                                  "sentencepiece-llama-class", "sentencepiece-dummy-prefix-llama-class",
+                                  "sentencepiece-names-only", "sentencepiece-add-eos"])
 def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_path, kind, monkeypatch, capsys):
     # a tokenizer.model alone (data_prep's SentencePiece model, Llama 2's, Meta's Llama 3 tiktoken
     # file): the export adds the tokenizer_config.json without which AutoTokenizer drops the BOS
     # and, for tiktoken, the special tokens. A SentencePiece model's own config naming LlamaTokenizer
     # (which transformers 5 builds with a pipeline of its own: a space put before every text where the
-    # model adds none) or saying legacy false (a leading space dropped) goes without them
+    # model adds none) or saying legacy false (a leading space dropped) goes without them; one that
+    # leaves add_bos_token unsaid (transformers 5: no BOS, where data_prep put one before every
+    # document) or says add_eos_token (an EOS after every prompt) gets them said as the data holds them
     sys.path.insert(0, str(ROOT / "tests"))
     import sentencepiece as spm
     from data_prep import load_tokenizer
@@ -356,7 +359,7 @@ def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_pa
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
     if kind == "tiktoken":
         write_tiktoken(src)
-    elif kind in ("sentencepiece", "sentencepiece-llama-class"):
+    elif kind in ("sentencepiece", "sentencepiece-llama-class", "sentencepiece-names-only", "sentencepiece-add-eos"):
         write_sentencepiece(src)
     elif kind.startswith("sentencepiece-dummy-prefix"):  # as Llama 2's: a space put in front of every text
         spm.SentencePieceTrainer.train(sentence_iterator=iter("".join(TEXTS.values()).splitlines()), model_writer=open(src, "wb"),
@@ -370,16 +373,21 @@ def test_export_hf_tokenizer_model_encodes_in_transformers_as_in_training(tmp_pa
     if kind.endswith("llama-class"):  # Llama 2's own config, less its add_bos_token (True when unsaid, to both sides)
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "legacy": False,
                                                                    "bos_token": "<s>", "eos_token": "</s>"}))
+    elif kind.endswith(("names-only", "add-eos")):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                   **({"add_eos_token": True} if kind.endswith("eos") else {})}))
     ours = load_tokenizer(src)
     files = [str(p) for p in (src, tmp_path / "special_tokens_map.json", tmp_path / "tokenizer_config.json") if p.exists()]
-    assert len(files) == 1 + (kind == "sentencepiece-map-bos" or kind.endswith("llama-class"))
+    assert len(files) == 1 + (kind == "sentencepiece-map-bos" or kind.endswith(("llama-class", "names-only", "add-eos")))
     assert kind != "sentencepiece-map-bos" or ours.bos_id == len(proto.pieces) - 1
     args, sd = load_checkpoint(str(save_hf(hf_model("llama2"), tmp_path / "src", "5.x")))
     export_hf(sd, args, tmp_path / "out", tokenizer_files=files, bos_id=ours.bos_id, eos_id=ours.eos_id)
-    if kind.endswith("llama-class"):
-        assert "without its tokenizer_class 'LlamaTokenizer', legacy False, with which" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ("without its tokenizer_class 'LlamaTokenizer', legacy False, with which" in out) == kind.endswith("llama-class")
+    assert ("with add_eos_token False" in out) == kind.endswith("add-eos")
+    if kind.endswith(("llama-class", "names-only", "add-eos")):
         assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == {
-            "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
+            "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "add_eos_token": False}
     if kind == "sentencepiece-map-bos":  # the config the export adds agrees with the map: which of the two files wins
         # differs across transformers versions (data_prep refuses them disagreeing)
         assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["bos_token"] == "<|begin|>"
