@@ -887,6 +887,7 @@ start_iter = iter_num
 teacher_val_loss = ckpt.get("teacher_val_loss")
 # how the loaded weights were trained (resume has checked that the quantization settings match)
 ckpt_fake_quant = bool(ckpt.get("fake_quant")) if init_from == "resume" else source_same_quant
+ckpt_averaged = bool(ckpt.get("weights_averaged"))  # its run ended by putting the average in place
 ckpt = None  # free the optimizer state held by rank 0
 
 
@@ -1392,6 +1393,13 @@ def check_gradients(step_loss):
         dist.barrier()
         sys.exit(2)
 
+if ema_decay and init_from == "resume" and iter_num >= max_iters and not ckpt_averaged:
+    # no step left to take: the run ends here, with the average its last step would have put in place
+    torch._foreach_copy_(*weight_averages()[::-1])
+    if master_process:
+        print(f"step {iter_num}: no step left to take (max_iters={max_iters}): weights replaced by their running average "
+              f"(ema_decay={ema_decay})")
+    log({"iter": iter_num, "event": "weights_averaged"})
 
 with profiler as prof:
     while iter_num < max_iters:

@@ -305,6 +305,10 @@ if init_from == "resume":  # these decide which batches a step sees, or what the
     if ckpt.get("weights_averaged") and max_iters > ckpt["iter_num"] and master_process:
         print(f"note: {resume_path} ended its run by replacing the weights with their average (ema_decay); "
               f"training continues from that average, not from its last step's weights")
+    if convert_only and (was := ckpt["config"].get("ema_decay")) and not ckpt.get("weights_averaged") and master_process:
+        print(f"note: {resume_path} is a step of a run not yet ended (ema_decay={was}): its last step's weights are "
+              f"converted, not the running average it holds; --convert_only=False --max_iters={ckpt['iter_num']} ends the "
+              f"run there with the average")
     if gptq_tokens and ckpt["config"].get("gptq_tokens") != gptq_tokens:  # GPTQ is a finetune's start, not a resume's
         fail(f"{resume_path} did not start from GPTQ over {gptq_tokens} tokens (gptq_tokens="
              f"{ckpt['config'].get('gptq_tokens', 0)}), and a resume continues its weights as they are; drop gptq_tokens")
@@ -403,9 +407,9 @@ def memmap(split, kind=""):
 
 n_targets = {s: len(memmap(s)) - 1 for s in ("train", "val")}  # every token but the first is a target
 n_windows = {s: n // block_size for s, n in n_targets.items()}  # whole windows, for training and estimates
-gptq_windows = math.ceil(gptq_tokens / block_size / world_size)  # per process
-if gptq_windows * world_size > n_windows["train"]:
-    fail(f"gptq_tokens={gptq_tokens} asks for {gptq_windows * world_size} windows of {block_size} tokens, more than the "
+gptq_windows = math.ceil(gptq_tokens / block_size)  # in all, whatever the number of processes
+if gptq_windows > n_windows["train"]:
+    fail(f"gptq_tokens={gptq_tokens} asks for {gptq_windows} windows of {block_size} tokens, more than the "
          f"train split's {n_windows['train']}")
 global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step
 steps_per_epoch = n_windows["train"] // global_batch
@@ -627,6 +631,7 @@ if init_from == "resume":
             group.update({k: v for k, v in group_of[group["params"][0]].items() if k != "params"}, betas=(beta1, beta2))
     if master_process:
         print(f"resumed from {resume_path} at step {iter_num}")
+ckpt_averaged = bool(ckpt.get("weights_averaged"))  # its run ended by putting the average in place
 ckpt = None  # free the optimizer state held by rank 0
 
 
@@ -830,8 +835,14 @@ def gptq_start():
     it already rounded as GPTQ rounded them, and each rank rounds the rows of the weights it holds.
     Every stage runs the whole model forward (FSDP's hooks stay as in training): L + 1 forwards of
     gptq_tokens tokens, a few minutes' work next to a finetune's."""
-    windows = epoch_order(0)[:gptq_windows * world_size].view(world_size, gptq_windows)[rank]
-    batches = [get_batch("train", w) for w in windows.split(batch_size)]
+    # the same windows on any number of processes, each rank an equal share (FSDP's forwards are
+    # collectives) of them padded to a multiple of world_size; the pad's rows count for nothing
+    per_rank = math.ceil(gptq_windows / world_size)
+    order = epoch_order(0)[:gptq_windows]
+    windows = order[torch.arange(per_rank * world_size) % gptq_windows].view(world_size, per_rank)[rank]
+    counted = windows.numel() - min(max((rank + 1) * per_rank - gptq_windows, 0), per_rank)  # this rank's first ones
+    batches = [(get_batch("train", w), min(max(counted - i, 0), len(w)) * block_size)
+               for i, w in zip(range(0, per_rank, batch_size), windows.split(batch_size))]
     layers = [mod for mod in model.modules() if isinstance(getattr(mod, "weight_fake_quantizer", None), LearnedScaleFakeQuantizer)]
     stages = [[m for m in layers if any(m is x for x in block.modules())] for block in model.layers]
     if model.output in layers and not model_args.tie_embeddings:  # tied, its weight is the embedding: rounded to nearest
@@ -839,19 +850,30 @@ def gptq_start():
     set_fake_quant(model, False)  # full-precision activations, and weights until their own stage is done
     bar = tqdm(total=len(stages) * len(batches), desc="gptq", dynamic_ncols=True, leave=False, disable=not master_process)
     for stage in stages:
-        hessians = {m: None for m in stage}
+        hessians = {m: torch.zeros(m.weight.shape[1], m.weight.shape[1], device=device) for m in stage}
+        rows = torch.zeros(len(stage), dtype=torch.int64, device=device)  # each layer's inputs gathered
+        keep = 0  # rows of the batch that count (the pad's do not)
 
-        def gather(m, args, out):
-            x = args[0].detach().flatten(0, -2).float()
-            hessians[m] = x.T @ x if hessians[m] is None else hessians[m].addmm_(x.T, x)
-        hooks = [m.register_forward_hook(gather) for m in stage]
+        def gather(i, m, x):
+            x = x.detach().flatten(0, -2)[:keep].float()
+            hessians[m].addmm_(x.T, x)
+            rows[i] += x.shape[0]
+        # the output layer's input is the final norm's output: a chunked loss multiplies it by the
+        # output weight itself (model.linear_with), without calling the layer
+        hooks = [model.norm.register_forward_hook(lambda mod, args, out, i=i, m=m: gather(i, m, out)) if m is model.output
+                 else m.register_forward_hook(lambda mod, args, out, i=i, m=m: gather(i, m, args[0]))
+                 for i, m in enumerate(stage)]
         with torch.compiler.set_stance("force_eager"):  # a compiled block would not call the hooks as written
-            for x, y, pos in batches:
+            for (x, y, pos), keep in batches:
                 model(x, y, reduction="sum", loss_chunk=loss_chunk, input_pos=pos)
                 bar.update(1)
         for h in hooks:
             h.remove()
         reshard(model)  # the calibration's forwards left the root gathered: rounded there, it would be lost
+        dist.all_reduce(rows)
+        if (missed := [name for name, m in model.named_modules() for i, n in enumerate(rows.tolist())
+                       if m is stage[i] and n != gptq_windows * block_size]):
+            raise RuntimeError(f"GPTQ: {', '.join(missed)} saw other than the {gptq_windows * block_size} calibration rows")
         for m in stage:
             dist.all_reduce(hessians[m])
             w, s = local_rows(m)
@@ -865,7 +887,7 @@ if gptq_tokens and init_from != "resume":
     t_gptq = time.perf_counter()
     gptq_start()
     if master_process:
-        print(f"GPTQ: {gptq_windows * world_size * block_size:,} calibration tokens (whole windows), {time.perf_counter() - t_gptq:.0f} s")
+        print(f"GPTQ: {gptq_windows * block_size:,} calibration tokens (whole windows), {time.perf_counter() - t_gptq:.0f} s")
     if baseline:  # the PTQ a finetune from here has to beat
         baseline["init_gptq_val_loss"] = convert_and_evaluate(gathered_state(), after_qat=True)[0]
         log({"iter": iter_num, "init_gptq_val_loss": baseline["init_gptq_val_loss"]})
@@ -934,6 +956,13 @@ def check_gradients(step_loss):
         dist.barrier()
         sys.exit(2)
 
+if ema_decay and init_from == "resume" and not convert_only and iter_num >= max_iters and not ckpt_averaged:
+    # no step left to take: the run ends here, with the average its last step would have put in place
+    torch._foreach_copy_(*weight_averages()[::-1])
+    if master_process:
+        print(f"step {iter_num}: no step left to take (max_iters={max_iters}): weights replaced by their running average "
+              f"(ema_decay={ema_decay})")
+    log({"iter": iter_num, "event": "weights_averaged"})
 
 with profiler as prof:
     while iter_num < max_iters and not convert_only:

@@ -621,6 +621,11 @@ def test_qad_weight_average_ends_the_run_and_resumes(setup, tmp_path):
     settings = dict(common, out_dir=dirs["stopped"], ema_decay=decay)
     r = run_patched("kd_train.py", STOP_AFTER_CHECKPOINT, env=ENV, **dict(settings, ckpt_interval=2))
     assert r.returncode == 0 and torch.load(os.path.join(dirs["stopped"], "ckpt.pt"), weights_only=True)["iter_num"] == 2, r.stderr[-4000:]
+    # a resume with no step left to take (max_iters at the checkpoint's step) ends the run there, with the average
+    shutil.copytree(dirs["stopped"], tmp_path / "ended")
+    r = run("kd_train.py", env=ENV, **dict(settings, out_dir=str(tmp_path / "ended"), init_from="resume", max_iters=2))
+    assert "step 2: no step left to take (max_iters=2): weights replaced by their running average" in r.stdout
+    assert_same_weights(weights(os.path.join(tmp_path / "ended", "model.pt")), running_average(plain[:2], decay), atol=1e-6)
     run("kd_train.py", env=ENV, **dict(settings, init_from="resume"))
     assert_same_training(train_lines(read_log(dirs["stopped"])), train_lines(straight))
     assert_same_weights(weights(os.path.join(dirs["stopped"], "model.pt")), averaged, atol=1e-6)

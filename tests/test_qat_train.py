@@ -321,6 +321,16 @@ def test_weight_average_ends_the_run_and_resumes(train, data, tmp_path, sharded)
         assert summary(resumed)[key] == pytest.approx(summary(log)[key], rel=1e-6)
     assert [(r["iter"], r["event"]) for r in resumed if "event" in r] == [(N, "fake_quant_enabled"), (steps, "weights_averaged")]
     if not sharded:
+        # a resume with no step left to take (max_iters at the checkpoint's step) ends the run there, with the average
+        shutil.rmtree(out)
+        r = run_patched(SCRIPT, STOP_AFTER_CHECKPOINT, **{**settings, "ckpt_interval": N + 1})
+        r = run(SCRIPT, **{**settings, "init_from": "resume", "max_iters": N + 1})
+        assert f"step {N + 1}: no step left to take (max_iters={N + 1}): weights replaced by their running average" in r.stdout
+        ended = summary(read_log(train(**QAT, max_iters=N + 1, lr_decay_iters=steps, ema_decay=decay)))
+        for key in ("fp_val_loss", "quant_val_loss"):
+            assert summary(read_log(out))[key] == pytest.approx(ended[key], rel=1e-6)
+        assert [(r["iter"], r["event"]) for r in read_log(out) if "event" in r][-1] == (N + 1, "weights_averaged")
+        run(SCRIPT, **{**settings, "init_from": "resume"})
         assert max_weight_diff(weights(out), weights(straight)) < 1e-6
         # the average it holds is that decay's: another is refused
         r = run(SCRIPT, check=False, **{**settings, "init_from": "resume", "ema_decay": 0.9})
@@ -854,6 +864,13 @@ def test_gptq_start(train, data, tmp_path):
     quantized = [k for k, v in ours.items() if type(v) is not torch.Tensor]
     assert "output.weight" in quantized and len(quantized) == 1 + 7 * 2
     assert all(not torch.equal(ours[k].dequantize(), nearest[k].dequantize()) for k in quantized)
+    # the output layer's Hessian holds every calibration row however the loss is chunked: a chunked
+    # loss multiplies by the output weight without calling the layer (its hook once saw the last,
+    # short batch alone: 32 of 544 rows here, or none at all, a crash)
+    for chunk in (0, 64):
+        run(SCRIPT, **{**gptq, "gptq_tokens": 544, "loss_chunk": chunk, "out_dir": tmp_path / f"chunk{chunk}", "max_iters": 0})
+    a, b = (torch.load(tmp_path / f"chunk{c}" / "quantized.pt", weights_only=False)["model"]["output.weight"] for c in (0, 64))
+    assert torch.equal(a.qdata, b.qdata) and torch.equal(a.dequantize(), b.dequantize())
     # the finetune from it trains the rounded model GPTQ left: its first step's loss (a train batch)
     # is far below a finetune's from the rounded-to-nearest start, and what it converts is QAT
     runs = {}
@@ -888,10 +905,12 @@ def test_gptq_two_processes_match_one(train, data, tmp_path):
     # in the last block's and the output's, 0.2% of the loss on one CPU). So the first block, whose
     # inputs no rounding touched, must agree almost everywhere (Hessians not summed over the processes:
     # 73-90%), and no layer may come out rounded to nearest (rows rounded where FSDP discards them)
-    gptq = gptq_settings(train, data)
+    # 17 windows: the same ones on either count of processes (one of the second's padded, counting for nothing)
+    gptq = {**gptq_settings(train, data), "gptq_tokens": 544}
     got = []
     for nproc in (1, 2):
-        run(SCRIPT, nproc=nproc, **{**gptq, "out_dir": tmp_path / str(nproc), "max_iters": 0})
+        r = run(SCRIPT, nproc=nproc, **{**gptq, "out_dir": tmp_path / str(nproc), "max_iters": 0})
+        assert "GPTQ: 544 calibration tokens" in r.stdout
         got.append(summary(read_log(tmp_path / str(nproc)))["init_gptq_val_loss"])
     assert got[1] == pytest.approx(got[0], rel=1e-2)
     s = summary(read_log(tmp_path / "2"))
