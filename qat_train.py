@@ -898,6 +898,32 @@ if ema_decay and init_from != "resume" and not convert_only:  # the average star
 set_fake_quant(model, fake_quant_on(iter_num))
 if master_process and quant_bits is not None and not convert_only:
     print(f"fake quant ({quantizer}, group {group_size}) {'on' if fake_quant_on(iter_num) else 'off until step ' + str(fake_quant_after_n_steps)}")
+
+
+def frozen_by_rounding(p, step):
+    """(elements of bfloat16 p that a step this size leaves as they are, elements): rounding to the
+    nearest bfloat16 undoes a change below half the spacing there, 2^(exponent - 8)."""
+    x = p.detach().to_local().float().abs()
+    frozen = (x > 0) & (torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 9) > step)
+    return torch.stack([frozen.sum().double(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])
+
+
+if param_dtype == torch.bfloat16 and iter_num < max_iters and not convert_only:
+    # AdamW's step is at most about the learning rate: a weight whose bfloat16 spacing is twice that never moves
+    counts = torch.stack([sum((frozen_by_rounding(p, learning_rate * g.get("lr_ratio", 1.0)) for p in g["params"]),
+                              torch.zeros(2, dtype=torch.float64, device=device)) for g in groups])
+    dist.all_reduce(counts)
+    names = ("weight matrices", "norms", "learned scales")
+    shares = {name: f / n for name, (f, n) in zip(names, counts.tolist()) if n}
+    if said := [f"{s:.0%} of the {name}" for name, s in shares.items() if s >= 0.01]:
+        line = (f"dtype=bfloat16 without mixed_precision: a step of learning_rate={learning_rate:g} (times a group's lr "
+                f"ratio; AdamW's steps are at most about that) is below half of bfloat16's spacing for {', '.join(said)}, "
+                f"which rounding then leaves as they are; mixed_precision=True keeps fp32 master weights")
+        if shares.get(names[0], 0) >= 0.5:
+            fail(line)
+        if master_process:
+            print(f"warning: {line}")
+
 pbar = tqdm(total=max_iters, initial=iter_num, desc="train", dynamic_ncols=True,
             disable=not master_process or convert_only or iter_num >= max_iters)
 start_iter = iter_num
@@ -955,6 +981,7 @@ def check_gradients(step_loss):
                   file=sys.stderr, flush=True)
         dist.barrier()
         sys.exit(2)
+
 
 if ema_decay and init_from == "resume" and not convert_only and iter_num >= max_iters and not ckpt_averaged:
     # no step left to take: the run ends here, with the average its last step would have put in place

@@ -9,7 +9,10 @@ init_from = "checkpoints/Llama-3.1-8B"  # a Hugging Face (config.json) or Meta (
 data_dir = "data/llama3"  # prepared with the model's own tokenizer (checked against it at start)
 out_dir = "out/llama3_qat"
 device = "cuda"
-dtype = "bfloat16"  # pure bf16 as the reference recipe; mixed_precision=True keeps fp32 master weights
+dtype = "bfloat16"
+# fp32 master weights under bf16 compute: at lr 2e-5 a bf16 weight above ~0.008 in magnitude (most of an 8B
+# model's) has a spacing AdamW's steps cannot cross, so pure bf16 (torchtune's recipe) would leave it as it was
+mixed_precision = True
 compile = True
 activation_checkpointing = 1  # every block: 8B activations at 2 x 2048 tokens would not fit otherwise
 quantizer = "8da4w"

@@ -8,7 +8,10 @@ init_from = "checkpoints/Llama-2-7b"
 data_dir = "data/llama2"  # prepared with the model's own tokenizer.model
 out_dir = "out/llama_qat"
 device = "cuda"
-dtype = "bfloat16"  # pure bf16, as torchtune's recipe; mixed_precision=True keeps fp32 master weights
+dtype = "bfloat16"
+# fp32 master weights under bf16 compute: at lr 2e-5 a bf16 weight above ~0.008 in magnitude (most of an 8B
+# model's) has a spacing AdamW's steps cannot cross, so pure bf16 (torchtune's recipe) would leave it as it was
+mixed_precision = True
 compile = True
 activation_checkpointing = 1  # every block: 7B activations at 2 x 2048 tokens would not fit otherwise
 quantizer = "8da4w"

@@ -7,6 +7,9 @@ data_dir = "data/llama3"
 out_dir = "out/llama3_qad"
 device = "cuda"
 dtype = "bfloat16"
+# fp32 master weights under bf16 compute: at lr 2e-5 a bf16 weight above ~0.008 in magnitude (most of an 8B
+# model's) has a spacing AdamW's steps cannot cross, so pure bf16 (torchtune's recipe) would leave it as it was
+mixed_precision = True
 compile = True
 activation_checkpointing = 1
 quantizer = "8da4w"

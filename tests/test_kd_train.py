@@ -602,6 +602,16 @@ def test_qad_learned_scales_resume_and_convert(setup, tmp_path):
     assert max((end[k] - teacher[k]).abs().max().item() for k in teacher if k.endswith("wq.weight")) == pytest.approx(lr, rel=1e-3)
 
 
+def test_pure_bfloat16_refused_where_rounding_freezes_the_weights(setup, tmp_path):
+    # as in qat_train: at lr 2e-5 a bfloat16 weight above ~0.008 has a spacing AdamW's steps cannot cross
+    settings = dict(TRAIN, data_dir=setup["data"], init_from=setup["student"], teacher_init=setup["teacher"], dtype="bfloat16",
+                    learning_rate=2e-5, min_lr=1e-6)
+    r = run("kd_train.py", check=False, env=ENV, **dict(settings, out_dir=str(tmp_path / "pure")))
+    assert r.returncode == 2 and re.search(r"below half of bfloat16's spacing for \d+% of the weight matrices", r.stderr), r.stderr[-2000:]
+    r = run("kd_train.py", env=ENV, **dict(settings, out_dir=str(tmp_path / "mixed"), mixed_precision=True, max_iters=1))
+    assert "spacing" not in r.stdout + r.stderr
+
+
 def test_qad_weight_average_ends_the_run_and_resumes(setup, tmp_path):
     # ema_decay: the student ends as the running average of its weights since fake quant began
     # (step 1), trained as without it; the checkpoint keeps the average, so a run stopped resumes exactly

@@ -970,6 +970,20 @@ def test_bfloat16_mixed_precision(train):
     assert math.isfinite(summary(log)["quant_val_loss"])
 
 
+def test_pure_bfloat16_refused_where_rounding_freezes_the_weights(data, tmp_path):
+    # a bfloat16 weight changes only by a step of at least half its spacing there: at lr 2e-5 most
+    # weights of an initialized model (std 0.02) never move, and the norms' gains (1.0) at any usual rate
+    settings = {**BASE, **QAT, "data_dir": data, "max_iters": 1, "dtype": "bfloat16", "warmup_iters": 0, "min_lr": 1e-6}
+    r = run(SCRIPT, check=False, **{**settings, "out_dir": tmp_path / "pure", "learning_rate": 2e-5})
+    assert r.returncode == 2 and re.search(r"below half of bfloat16's spacing for \d\d% of the weight matrices, 100% of "
+                                           r"the norms, which rounding then leaves as they are", r.stderr), r.stderr[-2000:]
+    r = run(SCRIPT, **{**settings, "out_dir": tmp_path / "norms", "learning_rate": 3e-4})
+    assert "warning: dtype=bfloat16 without mixed_precision: a step of learning_rate=0.0003" in r.stdout
+    assert "spacing for 100% of the norms, which" in r.stdout
+    r = run(SCRIPT, **{**settings, "out_dir": tmp_path / "mixed", "learning_rate": 2e-5, "mixed_precision": True})
+    assert "spacing" not in r.stdout + r.stderr
+
+
 def test_activation_checkpointing_same_losses(train):
     plain, ac = train(), train(activation_checkpointing=1)
     assert_same_losses(losses(read_log(ac)), losses(read_log(plain)), rel=1e-6)
