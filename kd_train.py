@@ -1334,7 +1334,8 @@ if master_process and quant_bits is not None:
 
 def frozen_by_rounding(p, step):
     """(elements of bfloat16 p that a step this size leaves as they are, elements): rounding to the
-    nearest bfloat16 undoes a change below half the spacing there, 2^(exponent - 8)."""
+    nearest bfloat16 undoes a change below half the spacing there, 2^(floor(log2 |p|) - 8) (frexp's
+    exponent is floor(log2 |p|) + 1)."""
     x = p.detach().to_local().float().abs()
     frozen = (x > 0) & (torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 9) > step)
     return torch.stack([frozen.sum().double(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])

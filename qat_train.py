@@ -840,10 +840,11 @@ def gptq_start():
     per_rank = math.ceil(gptq_windows / world_size)
     order = epoch_order(0)[:gptq_windows]
     windows = order[torch.arange(per_rank * world_size) % gptq_windows].view(world_size, per_rank)[rank]
-    counted = windows.numel() - min(max((rank + 1) * per_rank - gptq_windows, 0), per_rank)  # this rank's first ones
+    counted = min(max(gptq_windows - rank * per_rank, 0), per_rank)  # this rank's first ones
     batches = [(get_batch("train", w), min(max(counted - i, 0), len(w)) * block_size)
                for i, w in zip(range(0, per_rank, batch_size), windows.split(batch_size))]
     layers = [mod for mod in model.modules() if isinstance(getattr(mod, "weight_fake_quantizer", None), LearnedScaleFakeQuantizer)]
+    names = {mod: name for name, mod in model.named_modules()}
     stages = [[m for m in layers if any(m is x for x in block.modules())] for block in model.layers]
     if model.output in layers and not model_args.tie_embeddings:  # tied, its weight is the embedding: rounded to nearest
         stages.append([model.output])
@@ -871,8 +872,7 @@ def gptq_start():
             h.remove()
         reshard(model)  # the calibration's forwards left the root gathered: rounded there, it would be lost
         dist.all_reduce(rows)
-        if (missed := [name for name, m in model.named_modules() for i, n in enumerate(rows.tolist())
-                       if m is stage[i] and n != gptq_windows * block_size]):
+        if missed := [names[m] for m, n in zip(stage, rows.tolist()) if n != gptq_windows * block_size]:
             raise RuntimeError(f"GPTQ: {', '.join(missed)} saw other than the {gptq_windows * block_size} calibration rows")
         for m in stage:
             dist.all_reduce(hessians[m])
@@ -902,7 +902,8 @@ if master_process and quant_bits is not None and not convert_only:
 
 def frozen_by_rounding(p, step):
     """(elements of bfloat16 p that a step this size leaves as they are, elements): rounding to the
-    nearest bfloat16 undoes a change below half the spacing there, 2^(exponent - 8)."""
+    nearest bfloat16 undoes a change below half the spacing there, 2^(floor(log2 |p|) - 8) (frexp's
+    exponent is floor(log2 |p|) + 1)."""
     x = p.detach().to_local().float().abs()
     frozen = (x > 0) & (torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 9) > step)
     return torch.stack([frozen.sum().double(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])
