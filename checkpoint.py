@@ -93,7 +93,9 @@ def load_checkpoint(path, weights=True):
     they can: load them with load_state_dict(assign=True) to avoid a copy. weights=False gives
     meta tensors (shapes only): what every process but the one that broadcasts the weights needs,
     without merging shards or permuting in memory. A tied model's state dict holds output.weight
-    as the same tensor as tok_embeddings.weight, as a tied Transformer's state_dict() does."""
+    as the same tensor as tok_embeddings.weight, as a tied Transformer's state_dict() does; loaded
+    with assign=True, they become two Parameters over one storage: tie them again
+    (model.output.weight = model.tok_embeddings.weight) before training such a model."""
     if os.path.isfile(path) or os.path.isfile(os.path.join(path, "ckpt.pt")):
         return _load_nanotune(path if os.path.isfile(path) else os.path.join(path, "ckpt.pt"))
     if os.path.isfile(os.path.join(path, "params.json")) and glob(os.path.join(path, "consolidated.*.pth")):
@@ -878,9 +880,20 @@ def export_meta(state_dict, args, out_dir, tokenizer_files=(), provenance=None):
         _finish(tmp, tokenizer_files, {**(provenance or {}), "max_seq_len": args.max_seq_len})
 
 
+def hf_unexportable(args):
+    """Why transformers would not load args' shape from an HF export ('' if it would): a shape the
+    training scripts refuse at start, before the export at their end could fail."""
+    if args.dim % args.n_heads:
+        return (f"export_format='hf': transformers refuses a model of dim {args.dim} over {args.n_heads} heads "
+                f"(not a multiple, whatever head_dim says); export it as 'meta'")
+    return ""
+
+
 def _hf_config(args, dtype, bos_id=None, eos_id=None):
     """config.json for transformers, in the 4.x style (top-level rope_theta and rope_scaling) that
     transformers 5 reads too. A sliding window makes it a Mistral: Llama's config has none."""
+    if why := hf_unexportable(args):
+        raise ValueError(why)
     model_type = "llama" if args.sliding_window is None else "mistral"
     scaling = args.rope_scaling and dict(zip(("factor", "low_freq_factor", "high_freq_factor",
                                               "original_max_position_embeddings"), args.rope_scaling))

@@ -146,10 +146,13 @@ class Tokenizer:
         # the special tokens' strings, which encode() reads as plain text where a text holds them
         self.specials = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
         # a tokenizer that puts a space in front of every text it encodes (SentencePiece's dummy
-        # prefix: Llama 2, Mistral) would put one inside a document at each piece boundary too
-        self._after_newline = encode("\n")
-        probe, n = encode("\na"), len(self._after_newline)
-        self.prefixes = probe[:n] == self._after_newline and encode("a") != probe[n:]
+        # prefix: Llama 2, Mistral; ByteLevel's add_prefix_space) would put one inside a document at
+        # each piece boundary too. The ids a newline takes before text are what "\na" and "\nb" begin
+        # with alike ("\n" encoded alone may differ: " \n" can be one token where " ", "\n", "a" are three)
+        probes = [encode("\n" + c) for c in "ab"]
+        n = next((i for i, (x, y) in enumerate(zip(*probes)) if x != y), min(map(len, probes)))
+        self._after_newline = probes[0][:n]
+        self.prefixes = any(encode(c) != probe[n:] for c, probe in zip("ab", probes))
 
     def encode_rest(self, text):
         """encode(text) for a piece that continues a document just after a newline, as it
@@ -157,7 +160,8 @@ class Tokenizer:
         if not self.prefixes:
             return self.encode(text)
         ids = self.encode("\n" + text)
-        if ids[:len(self._after_newline)] != self._after_newline:  # the newline merged into the text
+        if ids[:len(self._after_newline)] != self._after_newline or not self.decode(self._after_newline).endswith("\n"):
+            # the newline merged into the text (in this text, or in "\na" and "\nb" alike)
             raise DataPrepError(f"the tokenizer {self.files[0]} joins a newline with the text after it, so a long file "
                                 f"cannot be encoded in pieces; split it into files under {DOC_CHARS:,} characters")
         return ids[len(self._after_newline):]
@@ -296,6 +300,7 @@ def load_tokenizer(path):
     # a transformers folder's tokenizer_config.json may say otherwise than the model's own ids, and
     # transformers follows it: the data must hold the BOS and EOS that its tokenizer adds
     extras, config = _tokenizer_config(path)
+    _check_added_tokens(config, path, lambda i: sp.id_to_piece(i) if 0 <= i < sp.vocab_size() else None, None)
     ids = {"bos": sp.bos_id(), "eos": sp.eos_id()}
     for key in ids:
         if (name := config.get(f"{key}_token")) is not None:
@@ -346,6 +351,33 @@ def _tokenizer_config(path):
     return extras + [p for p in (os.path.join(folder, n) for n in CHAT_TEMPLATE_NAMES) if os.path.isfile(p)], config
 
 
+def _check_added_tokens(config, path, token_at, added):
+    """Refuses a tokenizer_config.json whose added_tokens_decoder says other than the tokenizer at path:
+    transformers adds each of its tokens on load (a new id, matched whole in text, with the config's
+    lstrip and rstrip), so the deployed model would read ids or splits the data never held.
+    token_at(id): the tokenizer's token there or None; added: its own added tokens by id (None: SentencePiece)."""
+    folder = os.path.dirname(path) or "."
+    for i, want in sorted((config.get("added_tokens_decoder") or {}).items(), key=lambda kv: int(kv[0])):
+        i, content = int(i), want.get("content")
+        if token_at(i) != content:
+            raise DataPrepError(f"{folder}/tokenizer_config.json lists added token {content!r} at id {i}, where {path} holds "
+                                f"{token_at(i)!r}: transformers adds it on load, so the model would be given ids its "
+                                f"training data never held; save the tokenizer again with transformers (save_pretrained "
+                                f"writes its added tokens into tokenizer.json), or drop the entry from the config")
+        if added is None:  # SentencePiece: its own control and user-defined pieces, as transformers reads them
+            continue
+        if (have := added.get(i)) is None:
+            raise DataPrepError(f"{folder}/tokenizer_config.json lists {content!r} (id {i}) as an added token, which {path} "
+                                f"holds as an ordinary entry of its vocabulary: transformers would match it whole in text, "
+                                f"where the data split it as any text; list it in the file's added_tokens too, or drop "
+                                f"the entry from the config")
+        flags = {k: want[k] for k in ("lstrip", "rstrip", "single_word") if k in want}
+        if flags != {k: getattr(have, k) for k in flags}:
+            raise DataPrepError(f"{folder}/tokenizer_config.json gives added token {content!r} {flags}, {path} "
+                                f"{ {k: getattr(have, k) for k in flags} }: transformers takes the config's, which split "
+                                f"the text around it otherwise than the data was; make them agree")
+
+
 def _hf_tokenizer(path, data):
     from tokenizers import AddedToken, Tokenizer as HFTokenizer
     try:
@@ -364,6 +396,7 @@ def _hf_tokenizer(path, data):
     tok.no_truncation()  # a tokenizer.json may carry a saved max_length or padding: documents are never cut or padded
     tok.no_padding()
     extras, config = _tokenizer_config(path)
+    _check_added_tokens(config, path, tok.id_to_token, tok.get_added_tokens_decoder())
 
     def special_id(field):
         token = config.get(field)
@@ -458,10 +491,20 @@ def _tiktoken_tokenizer(path, ranks, sha256):
                             special_tokens=specials)
 
     def encode(text):
-        ids = []
-        for i in range(0, len(text), TIKTOKEN_MAX_ENCODE_CHARS):
-            for part in _split_long_runs(text[i:i + TIKTOKEN_MAX_ENCODE_CHARS]):
+        ids, start = [], 0
+        while start < len(text):
+            # in slices as Meta's code, each ending where a line that starts with a visible character
+            # begins (a token boundary of Llama 3's split), so that they encode as transformers and vLLM
+            # encode the whole; cut anywhere only inside one such line
+            end = start + TIKTOKEN_MAX_ENCODE_CHARS
+            if end < len(text):
+                cut = end
+                while (cut := text.rfind("\n", start, cut)) >= 0 and text[cut + 1].isspace():
+                    pass
+                end = cut + 1 if cut >= 0 else end
+            for part in _split_long_runs(text[start:end]):
                 ids += enc.encode(part, allowed_special=set(), disallowed_special=())  # specials in text are text
+            start = end
         return ids
 
     return Tokenizer("tiktoken", [path], n + len(specials), specials["<|begin_of_text|>"],

@@ -46,7 +46,7 @@ from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeig
 from torchao.quantization.qat import QATConfig
 
 from checkpoint import (TO_SINGLE_FILE, atomic_save, check_resume, checkpoint_digest, export_executorch, export_hf, export_meta,
-                        load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary, ranks_not_sharing,
+                        hf_unexportable, load_checkpoint, load_sharded_checkpoint, lock_dir, pte_summary, ranks_not_sharing,
                         remove_earlier_outputs, save_training_checkpoint, set_aside_checkpoint, sharded_dir,
                         source_generation, source_stop_ids, stop_ids, tokenizer_of)
 from data_prep import DataPrepError, load_data_meta, load_tokenizer, remove_tokenizer_files, tokenizer_mismatch
@@ -288,6 +288,8 @@ try:
     quant_skip = config["quant_skip"] = check_quantizable(model_args, group_size, quant_skip, quantize_embedding) if quant_bits else ()
 except ValueError as e:
     fail(str(e))
+if export_format == "hf" and (why := hf_unexportable(model_args)):
+    fail(why)
 quant_settings = ("quantizer", "group_size", "quantize_embedding", "quant_skip", "range_learning")
 if init_from == "resume":  # these decide which batches a step sees, or what the weights were trained for
     try:

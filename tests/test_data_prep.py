@@ -407,6 +407,41 @@ def test_a_response_takes_no_dummy_prefix_space(tmp_path):
     assert meta["train_docs"] + meta["val_docs"] == 80
 
 
+def test_a_prefix_space_tokenizer_whose_newline_alone_is_another_token(tmp_path, monkeypatch):
+    # ByteLevel's add_prefix_space puts a space before every text; with " \n" in the vocabulary, "\n" alone
+    # encodes as one token that "\na" does not begin with, which once hid the prefix from the check: the
+    # pieces of a long file, and a response, got a space the whole text never has
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer, hf.decoder = pre_tokenizers.ByteLevel(add_prefix_space=True), decoders.ByteLevel()
+    hf.train_from_iterator(["some words here \nand more words \n" * 50, "hello there\nhow are you\n" * 50],
+                           trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"], show_progress=False,
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    (tmp_path / "hf").mkdir()
+    hf.save(str(tmp_path / "hf" / "tokenizer.json"))
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    tok = load_tokenizer(tmp_path / "hf")
+    assert tok.encode("\n") == [hf.token_to_id("ĠĊ")] and tok.encode("\na")[:2] == [hf.token_to_id("Ġ"), hf.token_to_id("Ċ")]
+    assert tok.prefixes and tok.bos_id == 0
+    text = "".join(f"line {i} of the file\n" for i in range(400))
+    (tmp_path / "a.txt").write_text(text)
+    monkeypatch.setattr(data_prep, "DOC_CHARS", 500)
+    meta = prepare([tmp_path / "a.txt"], tmp_path / "out", tokenizer=tmp_path / "hf", num_proc=1, val_fraction=0.05)
+    (train,), (val,) = (split_docs(np.fromfile(tmp_path / "out" / f"{s}.bin", dtype=meta["dtype"]), tok.eos_id, tok.bos_id)
+                        for s in ("train", "val"))
+    # each document, the train head and the val tail, decodes with the one prefix space it was encoded with
+    head, tail = tok.decode(train.tolist()), tok.decode(val.tolist())
+    assert head[:1] == tail[:1] == " " and head[1:] + tail[1:] == text
+    records = [{"prompt": f"question {i}:\n", "response": "some words here"} for i in range(20)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = prepare([tmp_path / "sft.jsonl"], tmp_path / "sft", tokenizer=tmp_path / "hf", num_proc=1,
+                   val_fraction=0.1, block_size=64)
+    ids = np.fromfile(tmp_path / "sft" / "train.bin", dtype=meta["dtype"]).tolist()
+    first = ids[1:ids.index(tok.eos_id)]
+    assert ids[0] == tok.bos_id and first == tok.encode(tok.decode(first)) and tok.decode(first).endswith(":\nsome words here")
+
+
 def test_a_linked_folder_is_read_and_a_loop_ends(tmp_path):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "elsewhere").mkdir()

@@ -510,6 +510,8 @@ def misc_runs(setup, tmp_path_factory):
     d = setup["dir"]
     big_vocab = save_model(d / "student2000.pt", seed=4, vocab=2000)  # another tokenizer, not padding
     small_vocab = save_model(d / "teacher200.pt", seed=5, vocab=200)
+    odd = Transformer(ModelArgs(**{**PRESETS["toy"], "n_heads": 6, "head_dim": 16}, vocab_size=V))  # 64 over 6 heads
+    torch.save({"model": odd.state_dict(), "model_args": vars(odd.args)}, d / "odd_heads.pt")
     common = dict(BASE, data_dir=setup["data"], init_from=setup["student"], teacher_init=setup["teacher"],
                   max_iters=1)
     cases = {
@@ -532,6 +534,7 @@ def misc_runs(setup, tmp_path_factory):
         "group_size_without_quantizer": dict(common, group_size=64),
         "range_learning_without_quantizer": dict(common, range_learning=True),
         "teacher_topk_online": dict(common, teacher_topk=256),  # the default, given explicitly
+        "hf_export_transformers_refuses": dict(common, init_from=str(d / "odd_heads.pt"), export_format="hf"),
     }
     for name, s in cases.items():
         s["out_dir"] = str(out / name)
@@ -693,6 +696,7 @@ ERRORS = {
     "group_size_without_quantizer": "group_size only matter with a quantizer",
     "range_learning_without_quantizer": "range_learning only matter with a quantizer",
     "teacher_topk_online": "teacher_topk only matters with a top-k store",
+    "hf_export_transformers_refuses": "export_format='hf': transformers refuses a model of dim 64 over 6 heads",
 }
 
 

@@ -1010,6 +1010,8 @@ def test_errors(train, data, tmp_path):
     os.remove(no_val / "val.bin")
     small = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, multiple_of=32))  # data: 256
     torch.save({"model": small.state_dict(), "model_args": vars(small.args)}, tmp_path / "small_vocab.pt")
+    odd = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=6, n_kv_heads=2, head_dim=16, vocab_size=256, multiple_of=32))
+    torch.save({"model": odd.state_dict(), "model_args": vars(odd.args)}, tmp_path / "odd_heads.pt")  # as a params.json can say
     other_quantizer = tmp_path / "other_quantizer"
     other_quantizer.mkdir()
     shutil.copy(train() / "ckpt.pt", other_quantizer / "ckpt.pt")  # trained with quantizer='none'
@@ -1045,6 +1047,8 @@ def test_errors(train, data, tmp_path):
         "zero group_size": (dict(quantizer="8da4w", group_size=0), {}, ["group_size=0", "positive"]),
         "zero replicate_degree": (dict(replicate_degree=0), {}, ["replicate_degree=0", "positive"]),
         "impossible shape": (dict(n_head=3), {}, ["n_heads=3"]),
+        "a shape transformers refuses, exported for it": (dict(init_from=str(tmp_path / "odd_heads.pt"), export_format="hf"), {},
+                                                          ["export_format='hf'", "dim 64 over 6 heads"]),
         "converted model": (dict(init_from=str(train(**QAT) / "quantized.pt")), {}, ["converted", "ckpt.pt"]),
         "quant setting without quantizer": (dict(fake_quant_after_n_steps=5), {}, ["fake_quant_after_n_steps", "quantizer='none'"]),
         # settings that only matter with another one, or in another mode

@@ -280,6 +280,48 @@ def test_sentencepiece_folder_follows_its_tokenizer_config(tmp_path):
             load_tokenizer(folder)
 
 
+def test_added_tokens_of_the_config_must_be_the_tokenizers(tmp_path):
+    # transformers adds every token of tokenizer_config.json's added_tokens_decoder on load: one the
+    # tokenizer does not hold there would give the deployed model ids and splits the data never had
+    from transformers import AutoTokenizer
+    folder = write_hf(tmp_path / "hf")
+    tok, hf = load_tokenizer(folder), HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
+    flags = dict(lstrip=False, rstrip=False, normalized=False, single_word=False, special=False)
+    word = next(t for t in hf.get_vocab() if len(t) > 3)  # an ordinary entry of the vocabulary
+    for entries, said in [({tok.vocab_size: "<tool>"}, "lists added token '<tool>' at id"),
+                          ({2: "<eos>"}, "lists added token '<eos>' at id 2, where .* holds '</s>'"),
+                          ({hf.token_to_id(word): word}, "as an ordinary entry of its vocabulary")]:
+        decoder = {str(i): {"content": t, **flags} for i, t in entries.items()}
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "added_tokens_decoder": decoder}))
+        with pytest.raises(DataPrepError, match=said):
+            load_tokenizer(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "added_tokens_decoder": {
+        "2": {"content": "</s>", **flags, "lstrip": True, "special": True}}}))
+    with pytest.raises(DataPrepError, match="gives added token '</s>' {'lstrip': True"):
+        load_tokenizer(folder)
+    # the config transformers 4 wrote beside its tokenizer.json (every Llama 3 folder's) lists the tokenizer's own
+    hf.add_tokens(["<tool>"])
+    hf.save(str(folder / "tokenizer.json"))
+    decoder = {str(i): {k: getattr(t, k) for k in ("content", *flags)} for i, t in hf.get_added_tokens_decoder().items()}
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "added_tokens_decoder": decoder}))
+    assert len(decoder) == 4
+    tok, reference = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    text = "call <tool> now\n" + TEXTS["a.txt"]
+    assert tok.vocab_size == len(reference) and [tok.bos_id] + tok.encode(text) == reference(text)["input_ids"]
+    # a SentencePiece model's config alike
+    sp_folder = tmp_path / "sp"
+    sp_folder.mkdir()
+    write_sentencepiece(sp_folder / "tokenizer.model")
+    (sp_folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "added_tokens_decoder": {
+        "1": {"content": "<s>", **flags}, "2": {"content": "</s>", **flags}}}))
+    assert load_tokenizer(sp_folder).eos_id == 2
+    (sp_folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "added_tokens_decoder": {
+        "340": {"content": "<tool>", **flags}}}))
+    with pytest.raises(DataPrepError, match="lists added token '<tool>' at id 340, where .* holds None"):
+        load_tokenizer(sp_folder)
+
+
 def test_sentencepiece_bos_from_its_tokenizer_config(tmp_path):
     # the config's bos_token, not the model's own BOS, starts each document: the one transformers adds
     from sentencepiece import sentencepiece_model_pb2 as pb
@@ -329,6 +371,18 @@ def test_long_file_pieces_tokenize_as_the_whole_file(tmp_path, monkeypatch):
     assert len(pieces) > 20 and "".join(t for _, _, t, _, _ in pieces) == text
     assert all(t[:1] not in " \n" for _, _, t, _, _ in pieces[1:])  # the first is the file's start
     assert ids == tok.encode(text)
+
+
+def test_tiktoken_slices_end_at_token_boundaries(tmp_path, monkeypatch):
+    # Meta's code encodes in slices of 400,000 characters, cut anywhere (a word in two); transformers and
+    # vLLM encode the whole text: the slices end where a line that starts with a visible character begins
+    tok = load_tokenizer(write_tiktoken(tmp_path / "tokenizer.model")[0])
+    text = "".join(f"    the return {i}\n\nthere  return\n" for i in range(200))
+    whole = tok.encode(text)
+    monkeypatch.setattr(data_prep, "TIKTOKEN_MAX_ENCODE_CHARS", 45)  # slices of one to two lines
+    assert tok.encode(text) == whole
+    long_line = "the return " * 30  # no line boundary in a slice: cut inside the line, the text still whole
+    assert tok.decode(tok.encode(long_line + text)) == long_line + text
 
 
 def test_uint32_for_a_large_vocabulary(tmp_path):
