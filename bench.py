@@ -132,6 +132,10 @@ def library_versions():
     return {name: importlib.metadata.version(name) for name in ("torch", "torchao")}
 
 
+# the runs this invocation reused though other code or library versions made them: every report says so
+REUSED_FROM_OTHER = []
+
+
 def run_once(script, args, out_dir, nproc=1, quiet=True):
     """run(), unless out_dir holds a finished run of exactly these arguments, input checkpoints and data:
     the plain finetunes and PTQ evaluations are then shared by every QAT/QAD setting compared
@@ -158,13 +162,19 @@ def run_once(script, args, out_dir, nproc=1, quiet=True):
                          if not same]
                 print(f"  {script} {out_dir}: reused" + (f", though run by {' and '.join(other)} (remove the directory "
                                                          f"to run it again)" if other else ""))
+                if other:
+                    REUSED_FROM_OTHER.append(f"{out_dir}: {' and '.join(other)}")
                 return records
     if os.path.exists(stamp):
         print(f"  bench: {out_dir} holds a run of other arguments; it is rerun over (name the setting apart to keep both)")
         os.remove(stamp)
+    code = code_digest()  # the code the run starts with: an edit while it runs must not be credited with it
     records = run(script, args, out_dir, nproc, quiet)
+    if code_digest() != code:
+        print(f"  bench: {CODE_FILES} changed while {out_dir} ran; it will not be reused as this checkout's run")
+        code = "changed during the run"
     with open(stamp, "w") as f:
-        json.dump({**key, "code": code_digest(), "versions": library_versions()}, f)
+        json.dump({**key, "code": code, "versions": library_versions()}, f)
     return records
 
 
@@ -535,7 +545,7 @@ def quality(opt):
         return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}" if xs else "-"
 
     def pm(xs):  # a share, in percent, mean ± std over seeds
-        return f"{100 * statistics.mean(xs):.0f}% ± {100 * (statistics.stdev(xs) if len(xs) > 1 else 0):.0f}" if xs else "-"
+        return f"{100 * statistics.mean(xs):.1f}% ± {100 * (statistics.stdev(xs) if len(xs) > 1 else 0):.1f}" if xs else "-"
 
     results = {"options": vars(opt), "base_val_loss": teacher_loss, "schemes": {}, "kd": {}}
     table = ["| scheme | ppl fp | ppl PTQ | PTQ degradation | ppl QAT | ppl QAD | QAT recovers | QAD recovers |"
@@ -583,11 +593,15 @@ def quality(opt):
                   f"| {opt.student_preset} | {ms(ce)} | {ms(kd)} | {teacher_loss:.3f} | {pm(closed)} |"]
     origin = opt.base_ckpt or f"{opt.preset} trained {opt.base_iters} steps"
     report = (f"Quality: base {origin} on {opt.data_dir}; finetunes of {opt.ft_iters} steps "
-              f"(lr {float(ft['learning_rate']):g} to {float(ft['min_lr']):g}, learned scales: QAT {qat_set.get('range_learning', 'False')}, QAD {qad_set.get('range_learning', 'False')}), QAT and QAD from the {opt.start}{' (a stage after it)' * (opt.start == 'plain')}, QAD kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
-              f"at T={qad_set.get('kd_temperature', opt.qad_kd_temperature)}, teacher {opt.qad_teacher}; "
-              f"settings: every finetune {ft_set or '-'}, quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
-              f"student {opt.student_preset} {opt.kd_iters} steps, "
-              f"kd_ratio {opt.kd_ratio}, {opt.kd_divergence} at T={opt.kd_temperature}; batch {opt.batch_size} x {opt.block_size}, {opt.dtype}, {opt.seeds} seed(s); "
+              f"(lr {float(ft['learning_rate']):g} to {float(ft['min_lr']):g}); methods {opt.methods}"
+              + (f", from the {opt.start}{' (a stage after it)' * (opt.start == 'plain')}" if {"qat", "qad"} & set(methods) else "")
+              + (f", QAT's scales learned: {qat_set.get('range_learning', 'False')}" if "qat" in methods else "")
+              + (f", QAD's scales learned: {qad_set.get('range_learning', 'False')}, kd_ratio {qad_set.get('kd_ratio', opt.qad_kd_ratio)} "
+                 f"at T={qad_set.get('kd_temperature', opt.qad_kd_temperature)}, teacher {opt.qad_teacher}" if "qad" in methods else "")
+              + f"; settings: every finetune {ft_set or '-'}, quantization {quant_set or '-'}, QAT {qat_set or '-'}, QAD {qad_set or '-'}; "
+              + (f"student {opt.student_preset} {opt.kd_iters} steps, kd_ratio {opt.kd_ratio}, {opt.kd_divergence} at "
+                 f"T={opt.kd_temperature}; " if opt.kd_iters else "")
+              + f"batch {opt.batch_size} x {opt.block_size}, {opt.dtype}, {opt.seeds} seed(s); "
               f"whole-val-split perplexities, mean ± std over seeds; {time.perf_counter() - t_start:.0f} s\n\n"
               + "\n".join(table) + "\n\n" + "\n".join(notes) + "\n")
     write(opt, "quality" + ft_name + quant_name + qat_name + qad_name + stage, report, results)
@@ -908,6 +922,10 @@ def write(opt, name, report, data):
     (schemes, seeds, a base, a learning rate) in the same out_dir writes beside the first, not over it."""
     tag = hashlib.sha256(json.dumps({k: v for k, v in vars(opt).items() if k != "out_dir"}, sort_keys=True).encode())
     name = f"{name}_{tag.hexdigest()[:8]}"
+    if REUSED_FROM_OTHER:
+        report += "\nReused, though not run by this checkout's code and library versions:\n" + "".join(
+            f"- {r}\n" for r in REUSED_FROM_OTHER)
+        data = {**data, "reused_from_other_code": REUSED_FROM_OTHER}
     os.makedirs(opt.out_dir, exist_ok=True)
     with open(os.path.join(opt.out_dir, f"{name}.md"), "w") as f:
         f.write(report)

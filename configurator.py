@@ -64,13 +64,15 @@ def _unknown(key, keys, path=None):
 
 def _convert(value, default, raw, where):
     """Return value converted to the default's type, or raise. raw is the CLI text, if any."""
+    if type(default) is tuple and type(value) in (tuple, list):  # of the default's items' type; names if it has none
+        if not all(type(v) is (kind := type(default[0]) if default else str) for v in value):
+            raise ConfigError(f"{where} expects a tuple of {kind.__name__} (default {default!r}), got {value!r}")
+        return tuple(value)
     if default is None or type(value) is type(default):
         return value  # a None default means "no type": anything goes
     # exact types on purpose: bool subclasses int, yet True is no batch size and 1 no flag
     if type(default) is float and type(value) is int:
         return float(value)
-    if type(default) is tuple and type(value) is list:
-        return tuple(value)
     if type(default) is float and raw is not None and raw.strip().lower() in ("inf", "+inf", "-inf", "nan"):
         return float(raw)  # --grad_clip=inf: literal_eval knows no infinity
     raise ConfigError(f"{where} expects {type(default).__name__} (default {default!r}), "
@@ -250,6 +252,8 @@ def check_training(c, overridden, world_size):
         (c["ema_decay"] and dtype == "bfloat16" and not c["mixed_precision"],
          "ema_decay averages the weights in their dtype, and in bfloat16 the rounding swallows the small steps between "
          "them (the average would stay near where it started); set mixed_precision=True (fp32 master weights) or drop ema_decay"),
+        (not (0 <= c["beta1"] < 1 and 0 <= c["beta2"] < 1),
+         f"beta1={c['beta1']} and beta2={c['beta2']} are AdamW's averaging weights: each must lie in [0, 1)"),
         (c["min_lr"] > c["learning_rate"],
          f"min_lr={c['min_lr']} is above learning_rate={c['learning_rate']}, the peak the schedule decays from"),
         (c["profile"] and not c.get("convert_only") and c["max_iters"] < sum(c[f"profile_{k}"] for k in ("wait", "warmup", "active")),

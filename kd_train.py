@@ -168,7 +168,7 @@ from configurator import (TRAINING_ONLY, ConfigError, check_training, code_diges
                           ranks_disagree)
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
-                                                    "log_interval", "ckpt_interval", "kd_temperature",
+                                                    "log_interval", "ckpt_interval", "kd_temperature", "profile_active",
                                                     "teacher_topk", "group_size", "grad_clip", "replicate_degree", "norm_lr_ratio"))
 
 # derived values and checks: every mistake a user can make fails here, before any real work

@@ -137,7 +137,7 @@ from configurator import (TRAINING_ONLY, ConfigError, check_training, code_diges
 
 config, overridden = configure(globals(), positive=("batch_size", "block_size", "eval_interval", "eval_iters",
                                                     "log_interval", "ckpt_interval", "group_size", "grad_clip",
-                                                    "replicate_degree", "norm_lr_ratio"))
+                                                    "replicate_degree", "norm_lr_ratio", "profile_active"))
 
 # derived values and checks: every mistake a user can make fails here, before any real work
 torchrun = "RANK" in os.environ  # launched by torchrun: the process group comes from its variables

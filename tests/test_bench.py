@@ -1,6 +1,7 @@
 """bench.py end to end on a toy model: the speed and quality reports are produced from real runs
 of the training scripts, and their figures agree with each other."""
 
+import argparse
 import json
 import math
 import re
@@ -266,6 +267,7 @@ def test_run_once_reruns_on_data_prepared_again(tmp_path, monkeypatch, capsys):
         return records
 
     monkeypatch.setattr(bench_module, "run", fake_run)
+    monkeypatch.setattr(bench_module, "REUSED_FROM_OTHER", [])
     data = make_data(tmp_path / "data")
     args = {"data_dir": str(data), "max_iters": 1}
     first = bench_module.run_once("qat_train.py", args, str(tmp_path / "out"))
@@ -281,6 +283,20 @@ def test_run_once_reruns_on_data_prepared_again(tmp_path, monkeypatch, capsys):
     assert "code than this checkout's and other versions ({'torch'" in capsys.readouterr().out
     make_data(tmp_path / "data", val_tokens=1024, seed=5)  # the same path, other tokens
     assert bench_module.run_once("qat_train.py", args, str(tmp_path / "out"))[0]["fp_val_loss"] == 2.0 and len(calls) == 2
+    # the code a run starts with is what it is credited to: edited while it ran, it is not this checkout's
+    code = {"digest": "v1"}
+    monkeypatch.setattr(bench_module, "code_digest", lambda: code["digest"])
+    monkeypatch.setattr(bench_module, "run", lambda *a, **k: (code.update(digest="v2"), fake_run(*a, **k))[1])
+    bench_module.run_once("qat_train.py", {**args, "max_iters": 2}, str(tmp_path / "out"))
+    assert len(calls) == 3 and "changed while" in capsys.readouterr().out
+    bench_module.REUSED_FROM_OTHER.clear()
+    bench_module.run_once("qat_train.py", {**args, "max_iters": 2}, str(tmp_path / "out"))
+    assert len(calls) == 3 and "reused, though run by other code" in capsys.readouterr().out
+    # and every report written after says which runs came from other code
+    bench_module.write(argparse.Namespace(out_dir=str(tmp_path / "reports")), "quality", "a table\n", {"results": 1})
+    (md,), (js,) = (list((tmp_path / "reports").glob(f"quality_*.{e}")) for e in ("md", "json"))
+    assert f"- {tmp_path / 'out'}: other code than this checkout's" in md.read_text().split("Reused, though not run by")[1]
+    assert json.loads(js.read_text())["reused_from_other_code"] == bench_module.REUSED_FROM_OTHER != []
 
 
 def test_speed_compiled_on_a_vocabulary_of_random_tokens(tmp_path):

@@ -99,6 +99,8 @@ def test_none_default_accepts_anything(value):
     ("--compile=1", "--compile expects bool"),           # nor is an int a bool
     ("--compile=false", "--compile expects bool"),
     ("--betas=0.9", "--betas expects tuple"),
+    ("--betas=(0,)", "--betas expects a tuple of float (default (0.9, 0.95)), got (0,)"),  # quant_skip=(0,) crashed later
+    ("--betas=[0.9, None]", "--betas expects a tuple of float"),
 ])
 def test_type_errors(arg, msg):
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
@@ -233,7 +235,7 @@ TRAINING = dict(quantizer="8da4w", dtype="float32", device="cpu", export_format=
                 cpu_offload=False, activation_offloading=False, gradient_accumulation_steps=0, replicate_degree=1,
                 group_size=32, quantize_embedding=False, init_from="scratch", range_learning=False, range_lr_ratio=1.0,
                 wandb_log=False, learning_rate=3e-4, min_lr=3e-5, profile=False, max_iters=300, profile_wait=5,
-                profile_warmup=2, profile_active=3, ema_decay=0.0)
+                profile_warmup=2, profile_active=3, ema_decay=0.0, beta1=0.9, beta2=0.95)
 
 
 @pytest.mark.parametrize("settings, overridden, world_size, words", [
@@ -246,6 +248,8 @@ TRAINING = dict(quantizer="8da4w", dtype="float32", device="cpu", export_format=
     (dict(replicate_degree=3), [], 4, "replicate_degree=3 must divide"),
     (dict(init_from="out/x/ckpt.pt", n_layer=4), ["n_layer"], 1, "carries its own shape"),
     (dict(min_lr=1e-3), [], 1, "min_lr=0.001 is above learning_rate=0.0003"),
+    (dict(beta1=1.5), [], 1, "beta1=1.5 and beta2=0.95 are AdamW's averaging weights: each must lie in [0, 1)"),
+    (dict(beta2=1.0), [], 1, "beta2=1.0 are AdamW's"),  # torch refused it only after the model was built
     (dict(ema_decay=1.0), [], 1, "ema_decay=1.0 is the weight each step keeps of the running average (0: off)"),
     (dict(ema_decay=0.9, dtype="bfloat16"), [], 1, "in bfloat16 the rounding swallows the small steps between them"),
     (dict(profile=True, max_iters=9), [], 1, "past max_iters=9: no trace would be written"),

@@ -1042,7 +1042,10 @@ def test_errors(train, data, tmp_path):
         "quant_skip prefix": (dict(quantizer="8da4w", quant_skip=("layers.1", "lm_head")), {}, ["['lm_head']"]),
         "quant_skip of the embedding asked to quantize": (dict(quantizer="8da4w", quantize_embedding=True, quant_skip=("tok_embeddings",)),
                                                           {}, ["quant_skip names 'tok_embeddings'", "quantize_embedding=True"]),
+        "quant_skip of numbers": (dict(quantizer="8da4w", quant_skip=(0,)), {}, ["quant_skip expects a tuple of str"]),
         "zero batch": (dict(batch_size=0), {}, ["batch_size=0", "positive"]),
+        "zero profile_active": (dict(profile=True, profile_active=0), {}, ["profile_active=0", "positive"]),
+        "beta1 past 1": (dict(beta1=1.5), {}, ["beta1=1.5", "[0, 1)"]),
         "zero grad_clip": (dict(grad_clip=0.0), {}, ["grad_clip=0.0", "positive"]),  # would zero every gradient
         "zero group_size": (dict(quantizer="8da4w", group_size=0), {}, ["group_size=0", "positive"]),
         "zero replicate_degree": (dict(replicate_degree=0), {}, ["replicate_degree=0", "positive"]),
