@@ -433,10 +433,12 @@ class Transformer(nn.Module):
         values from per-layer caches that live only during this call. A context longer than
         max_seq_len has positions beyond the RoPE tables: from then on each step re-runs the last
         max_seq_len tokens from position 0, as use_cache=False does at every step, so a long
-        generation slows down rather than fails. eos_id: an id or a list of them, where a sequence ends.
+        generation slows down rather than fails. eos_id: an id or a list of them, where a sequence ends:
+        a row that drew one repeats it from then on, and generation stops once every row has.
         n_ids: the tokenizer's size, when the embedding has padding rows past it: those ids are never drawn."""
         L = self.args.max_seq_len
         eos = None if eos_id is None else torch.tensor(eos_id, device=tokens.device).view(-1)
+        ended = torch.zeros(tokens.shape[0], 1, dtype=torch.bool, device=tokens.device)
         caches = None
         for _ in range(max_new_tokens):
             T = tokens.shape[1]
@@ -458,8 +460,11 @@ class Transformer(nn.Module):
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                     logits[logits < kth] = -float("inf")
                 nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
+            if eos is not None:
+                nxt = torch.where(ended, tokens[:, -1:], nxt)  # an ended row keeps its stop id
+                ended |= torch.isin(nxt, eos)
             tokens = torch.cat((tokens, nxt), 1)
-            if eos is not None and torch.isin(nxt, eos).all():
+            if ended.all():
                 break
         return tokens
 

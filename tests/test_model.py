@@ -448,6 +448,19 @@ def test_generate_stops_at_eos():
     # several stop ids (an Instruct model's end of turn beside the EOS): the first one met ends it
     never = next(i for i in range(model.args.vocab_size) if i not in full)
     assert torch.equal(model.generate(prompt, 8, temperature=0, eos_id=[never, eos]), out)
+    # rows that end at other steps: each keeps its stop id after it, and the call ends when all have
+    rows = tokens_for(3, 5)
+    full = model.generate(rows, 8, temperature=0)
+    stops = [full[r, 5 + r].item() for r in range(2)]  # rows 0 and 1 meet a stop by their first / second new token
+    out = model.generate(rows, 8, temperature=0, eos_id=stops)
+    for r in range(3):
+        hit = torch.isin(full[r, 5:], torch.tensor(stops)).nonzero()
+        end = 5 + hit[0].item() + 1 if len(hit) else out.shape[1]
+        assert torch.equal(out[r, :end], full[r, :end]) and (out[r, end:] == out[r, end - 1]).all()
+    if not torch.isin(full[2, 5:], torch.tensor(stops)).any():  # a row that never stops: all 8 new tokens
+        assert out.shape[1] == full.shape[1]
+    two = model.generate(rows[:2], 8, temperature=0, eos_id=stops)  # both stop: the call ends at the later stop
+    assert two.shape[1] == 5 + 1 + max((torch.isin(full[r, 5:], torch.tensor(stops)).nonzero()[0].item() for r in range(2)))
 
 
 # ---------------------------------------------------------------------------------------------
