@@ -42,9 +42,9 @@ SHAPES = {
 TOKENS = torch.randint(0, 300, (2, T), generator=torch.Generator().manual_seed(0))
 
 
-def hf_model(shape, seed=0):
+def hf_model(shape, seed=0, window=64):
     if shape == "mistral":
-        cfg = transformers.MistralConfig(**BASE, num_attention_heads=4, num_key_value_heads=2, sliding_window=64,
+        cfg = transformers.MistralConfig(**BASE, num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
                                          rope_parameters=dict(rope_type="default", rope_theta=1e6))
         model = transformers.MistralForCausalLM(cfg)
     else:
@@ -147,6 +147,11 @@ def test_mistral_sliding_window(tmp_path):
     args, sd = load_checkpoint(str(path))
     assert args.sliding_window == 64 and args.rope_theta == 1e6
     assert max_err(nanotune_logits(args, sd), hf_logits(model)) <= 1e-4  # T < window: the window never bites
+    # a window shorter than the sequence, as transformers counts it (a window one shorter or longer is off)
+    short = hf_model("mistral", window=16)
+    args16, sd16 = load_checkpoint(str(save_hf(short, tmp_path / "hf16", "5.x")))
+    assert args16.sliding_window == 16 and max_err(nanotune_logits(args16, sd16), hf_logits(short)) <= 1e-4
+    assert all(max_err(nanotune_logits(replace(args16, sliding_window=w), sd16), hf_logits(short)) > 1e-2 for w in (15, 17))
     export_hf(sd, args, tmp_path / "out")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["model_type"] == "mistral" and cfg["sliding_window"] == 64
