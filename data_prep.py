@@ -254,6 +254,11 @@ def load_topk_store(store_dir, data_meta, block_size, temperature):
     # by fingerprint: the files listed beside it (a chat template) do not make another tokenizer
     tok_diff = (tokenizer_mismatch(meta["tokenizer"], tokenizer) if meta["tokenizer"] and tokenizer
                 else "one has none" if meta["tokenizer"] != tokenizer else "")
+    rows = meta["n_windows"] * meta["block_size"]
+    sizes = {"ids.bin": rows * meta["k"] * np.dtype(meta["ids_dtype"]).itemsize, "logprobs.bin": rows * meta["k"] * 2,
+             **({"rest.bin": rows * 4} if meta.get("rest") else {})}  # the rest's log-mass: stores from 2026-12-06 on
+    unlike = [name for name, size in sizes.items()
+              if not os.path.isfile(p := os.path.join(store_dir, name)) or os.path.getsize(p) != size]
     problems = [
         (not meta["complete"], f"is incomplete ({meta['windows_done']} of {meta['n_windows']} windows); finish it by "
                                f"rerunning its topk_write=True command"),
@@ -263,6 +268,7 @@ def load_topk_store(store_dir, data_meta, block_size, temperature):
         (meta["vocab_size"] != data_meta["vocab_size"],
          f"has a vocabulary of {meta['vocab_size']} tokens, the data {data_meta['vocab_size']}; {write}"),
         (meta["block_size"] != block_size, f"holds windows of block_size={meta['block_size']}; set block_size to it"),
+        (unlike, f"has {' and '.join(unlike)} missing or of another size than its meta.json says; {write}"),
         (meta["temperature"] != temperature,
          f"holds the teacher at temperature {meta['temperature']}, not kd_temperature={temperature} (the tail of a "
          f"top-k store cannot be re-tempered); set kd_temperature to it or write a store at this temperature"),

@@ -24,10 +24,12 @@ $ torchrun --standalone --nproc_per_node 8 kd_train.py config/llama_kd.py --topk
 $ python kd_train.py config/tiny_kd.py --teacher_topk_dir=data/stdlib/teacher_tiny
 The store (teacher_topk_dir, default data_dir/teacher_topk) holds ids.bin (uint16, or uint32 past
 65536 tokens) and logprobs.bin (float16), both (train windows * block_size, k) with row
-w * block_size + t the target t of window w, as get_batch cuts it; done.bin (one byte per group
+w * block_size + t the target t of window w, as get_batch cuts it, and rest.bin (float32, one per
+row: the log of the mass outside the top k, summed in float32, which 1 - sum(top k) of float16
+values would bury in their rounding where the teacher is sure); done.bin (one byte per group
 of batch_size windows written); meta.json (k, temperature, the teacher's path and a digest of its
 files, the dtype it ran in, data and tokenizer fingerprints (the teacher's own too), its stop ids, windows done, the teacher's val loss, and "complete", set
-last). 4k bytes a token (6k with uint32 ids). float16 rather than bfloat16: for log-probs in [-32, 0], where the mass is,
+last). 4k + 4 bytes a token (6k + 4 with uint32 ids). float16 rather than bfloat16: for log-probs in [-32, 0], where the mass is,
 float16's 11-bit mantissa rounds a probability by < 0.8% and bfloat16's 8 bits by up to 6%, and
 float16's range (down to -65504) is no limit for log-probs. They are the teacher's at the writing
 run's kd_temperature, and training refuses another temperature: p_T(i) = p(i)^(1/T) / sum_j
@@ -308,6 +310,10 @@ if from_store:
              f"{store_meta['teacher_init']!r}; drop teacher_init, or give the store of that teacher")
     teacher_init = config["teacher_init"] = store_meta["teacher_init"]
     teacher_topk = config["teacher_topk"] = store_meta["k"]  # recorded as what the run trains on
+    if not store_meta.get("rest") and store_meta["k"] < store_meta["vocab_size"] and master_process:
+        print(f"warning: the store in {teacher_topk_dir} was written before its rest (the teacher's mass outside its top "
+              f"{store_meta['k']}) was stored: it is taken as 1 - their sum, which their float16 rounding buries where "
+              f"the teacher is sure, and reverse KL and the JSD lean on it; write the store again for the exact rest")
 # the student's checkpoints and final outputs replace out_dir's: the teacher (a store's too, which a
 # resume or a rewrite of the store compares) is never one of them
 if not topk_write and (mine := os.path.realpath(teacher_init)) in {os.path.realpath(p) for p in (
@@ -671,23 +677,29 @@ def get_batch(split, windows):
 
 
 def store_memmaps(mode="r"):
-    """The store's top-k ids and log-probs, (train windows * block_size, k) each."""
-    shape = (store_meta["n_windows"] * block_size, store_meta["k"])
+    """The store's top-k ids and log-probs, (train windows * block_size, k) each, and the log of
+    the mass outside the top k, (train windows * block_size,): None in a store written before
+    2026-12-06, whose rest is 1 - sum(top k)."""
+    n = store_meta["n_windows"] * block_size
+    files = [("ids.bin", store_meta["ids_dtype"], (n, store_meta["k"])), ("logprobs.bin", np.float16, (n, store_meta["k"]))]
+    files += [("rest.bin", np.float32, (n,))] if store_meta.get("rest") else []
     if mode == "r":  # training from it: checked as the data's files are
         again = f"a store written again into {teacher_topk_dir}"
-        return (opened(os.path.join(teacher_topk_dir, "ids.bin"), store_meta["ids_dtype"], shape, again),
-                opened(os.path.join(teacher_topk_dir, "logprobs.bin"), np.float16, shape, again))
-    return (np.memmap(os.path.join(teacher_topk_dir, "ids.bin"), dtype=store_meta["ids_dtype"], mode=mode, shape=shape),
-            np.memmap(os.path.join(teacher_topk_dir, "logprobs.bin"), dtype=np.float16, mode=mode, shape=shape))
+        maps = [opened(os.path.join(teacher_topk_dir, name), dt, shape, again) for name, dt, shape in files]
+    else:
+        maps = [np.memmap(os.path.join(teacher_topk_dir, name), dtype=dt, mode=mode, shape=shape) for name, dt, shape in files]
+    return (*maps, None) if len(maps) == 2 else tuple(maps)
 
 
 def stored_topk(windows):
-    """The stored teacher's top-k token ids (int64) and log-probs (float32), (B, T, k) each, for
-    train windows: the targets of get_batch("train", windows), row for row."""
-    ids, logp = store_memmaps()
+    """The stored teacher's top-k token ids (int64) and log-probs (float32), (B, T, k) and
+    (B, T, k + 1) with the rest's last where the store holds it, for train windows: the targets
+    of get_batch("train", windows), row for row."""
+    ids, logp, rest = store_memmaps()
     rows = (windows[:, None] * block_size + torch.arange(block_size)).flatten().numpy()
     ids = torch.from_numpy(ids[rows].astype(np.int64)).view(len(windows), block_size, -1)
-    logp = torch.from_numpy(logp[rows].astype(np.float32)).view(len(windows), block_size, -1)
+    logp = logp[rows].astype(np.float32) if rest is None else np.concatenate((logp[rows], rest[rows, None]), 1, dtype=np.float32)
+    logp = torch.from_numpy(logp).view(len(windows), block_size, -1)
     if device_type == "cuda":
         ids, logp = ids.pin_memory().to(device, non_blocking=True), logp.pin_memory().to(device, non_blocking=True)
     return ids, logp
@@ -1048,8 +1060,9 @@ def chunk_losses(hs, ht, y, w=None):
 
 
 def stored_chunk_losses(hs, t_ids, t_logp, y, w=None):
-    """Summed CE and KD over one chunk of tokens against the stored teacher: hs (N, Cs), t_ids and
-    t_logp (N, k) its k likeliest tokens and their log-probs at kd_temperature, y (N,); w as in chunk_losses.
+    """Summed CE and KD over one chunk of tokens against the stored teacher: hs (N, Cs), t_ids
+    (N, k) its k likeliest tokens, t_logp (N, k) their log-probs at kd_temperature, or (N, k + 1)
+    with the log of the rest's mass last, y (N,); w as in chunk_losses.
 
     The teacher's tail, the mass 1 - sum(top k) it puts outside its top k, is one bucket "rest",
     compared with the student's mass on those same tokens: both distributions coarse-grained onto
@@ -1058,10 +1071,12 @@ def stored_chunk_losses(hs, t_ids, t_logp, y, w=None):
     one. Renormalizing the top k instead would make the teacher look surer than it is and leave
     the student free to put any mass outside the top k."""
     s_buckets, label_logp = StudentLogProbs.apply(linear_with(model.output, hs, w).float(), y, t_ids, kd_temperature, None)
-    if t_ids.shape[1] < n_vocab:
-        # the teacher's rest, floored like the student's; float16 rounding can take its stored sum
-        # past 1, and the log_softmax below renormalizes the buckets
-        eps = torch.finfo(torch.float32).eps
+    eps = torch.finfo(torch.float32).eps
+    if t_logp.shape[1] > t_ids.shape[1]:  # the store's rest (its last column), floored like the student's
+        top, rest = t_logp[:, :-1], t_logp[:, -1:].clamp(min=math.log(eps))
+        t_logp = torch.cat((top, rest), -1) if t_ids.shape[1] < n_vocab else top  # k = vocabulary: no rest
+    elif t_ids.shape[1] < n_vocab:
+        # an older store's rest: 1 - sum(top k), where float16 rounding can take the sum past 1
         t_logp = torch.cat((t_logp, (1 - t_logp.exp().sum(-1, keepdim=True)).clamp(min=eps).log()), -1)
     t_buckets = F.log_softmax(t_logp, -1)  # renormalized: float16 log-probs sum to 1 only within rounding
     kd = (divergence(s_buckets if kd_ratio > 0 else s_buckets.detach(), t_buckets) * (y != IGNORE_INDEX)).sum() * kd_temperature ** 2
@@ -1080,13 +1095,13 @@ chunk_tokens = loss_chunk or max(1, LOGITS_PER_CHUNK // max(model_args.vocab_siz
 
 def distill_loss(x, y, pos, topk=None):
     """Summed (CE, KD) of a micro-batch (B, T); pos: positions within packed samples, or None;
-    topk: the stored teacher's (ids, log-probs), each (B, T, k), or None to run the teacher."""
+    topk: the stored teacher's (ids, log-probs) as stored_topk gives them, or None to run the teacher."""
     hs = model.hidden(x, pos).flatten(0, 1)  # (B*T, Cs)
     if topk is None:
         with torch.no_grad():
             teacher_side, losses = (teacher.hidden(x, pos).flatten(0, 1),), chunk_losses  # (B*T, Ct)
     else:
-        teacher_side, losses = tuple(t.flatten(0, 1) for t in topk), stored_chunk_losses  # (B*T, k) each
+        teacher_side, losses = tuple(t.flatten(0, 1) for t in topk), stored_chunk_losses  # (B*T, k), (B*T, k [+ 1])
     y = y.flatten()
     if hs.shape[0] <= chunk_tokens:
         return losses(hs, *teacher_side, y)
@@ -1187,9 +1202,10 @@ def write_topk():
     done_path = os.path.join(teacher_topk_dir, "done.bin")
     if master_process and store_meta is None:  # a new store: its files at full size, then its meta
         store_meta = {**store_spec, "n_windows": n_windows["train"], "windows_done": 0, "teacher_val_loss": None,
-                      "complete": False}
+                      "complete": False, "rest": True}
         for m in store_memmaps("w+"):
-            m.flush()
+            if m is not None:
+                m.flush()
         np.zeros(n_groups, np.uint8).tofile(done_path)
         write_store_meta()
     dist.barrier()
@@ -1214,16 +1230,22 @@ def write_topk():
         x, _, pos = get_batch("train", windows)
         with torch.no_grad():
             ht = teacher.hidden(x, pos).flatten(0, 1)  # (B*T, Ct)
-            tops = [F.log_softmax(teacher.output(ht[c: c + chunk_tokens]).float()[:, :n_vocab] / kd_temperature, -1).topk(k)
-                    for c in range(0, ht.shape[0], chunk_tokens)]
+            tops, rests = [], []
+            for c in range(0, ht.shape[0], chunk_tokens):
+                lp = F.log_softmax(teacher.output(ht[c: c + chunk_tokens]).float()[:, :n_vocab] / kd_temperature, -1)
+                tops.append(lp.topk(k))
+                rests.append(lp.scatter(-1, tops[-1].indices, -math.inf).logsumexp(-1))  # the tail's mass, in float32
         if g >= 0:
             n = int(group_windows(g)) * block_size
             rows = slice(g * batch_size * block_size, g * batch_size * block_size + n)
-            ids, logp = store_memmaps("r+")
+            ids, logp, rest = store_memmaps("r+")
             ids[rows] = torch.cat([t.indices for t in tops])[:n].cpu().numpy().astype(ids_dtype)
             logp[rows] = torch.cat([t.values for t in tops])[:n].half().cpu().numpy()
-            ids.flush()
-            logp.flush()
+            if rest is not None:  # (a store begun before it was written goes on without it)
+                rest[rows] = torch.cat(rests)[:n].cpu().numpy()
+            for m in (ids, logp, rest):
+                if m is not None:
+                    m.flush()
             done = np.memmap(done_path, dtype=np.uint8, mode="r+")
             done[g] = 1
             done.flush()

@@ -25,13 +25,14 @@ def writing(common):
     return {k: common[k] for k in ("data_dir", "teacher_init", "batch_size", "block_size") if k in common}
 
 
-def read_store(d):
+def read_store(d, rest=False):
+    """meta, ids, log-probs (and with rest=True the rest's log-mass) of the store in d."""
     with open(os.path.join(d, "meta.json")) as f:
         meta = json.load(f)
     shape = (meta["n_windows"] * meta["block_size"], meta["k"])
     ids = np.fromfile(os.path.join(d, "ids.bin"), dtype=meta["ids_dtype"]).reshape(shape)
     logp = np.fromfile(os.path.join(d, "logprobs.bin"), dtype=np.float16).reshape(shape)
-    return meta, ids, logp
+    return (meta, ids, logp) + ((np.fromfile(os.path.join(d, "rest.bin"), dtype=np.float32),) if rest else ())
 
 
 def first_windows(data_dir, seed, block_size, n):
@@ -46,7 +47,8 @@ def first_windows(data_dir, seed, block_size, n):
 @torch.no_grad()
 def bucket_reference(kind, store_dir, settings, beta=0.5):
     """The first step's mean KD term from the store's rows, in float64 probabilities: the teacher's
-    top k plus a rest bucket 1 - sum (none when k is the vocabulary), the student's mass on the same."""
+    top k plus a rest bucket holding its mass outside them, computed here from the teacher itself (none
+    when k is the vocabulary), the student's mass on the same."""
     meta, ids, logp = read_store(store_dir)
     T, bs = meta["temperature"], settings["block_size"]
     windows, x = first_windows(settings["data_dir"], settings["seed"], bs, settings["batch_size"])
@@ -55,7 +57,8 @@ def bucket_reference(kind, store_dir, settings, beta=0.5):
     q_full = F.softmax(load_model(settings["init_from"])(x)[..., :V].flatten(0, 1).double() / T, -1)
     q = q_full.gather(-1, ids)
     if meta["k"] < V:
-        p = torch.cat((p, (1 - p.sum(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).eps)), -1)
+        t_full = F.softmax(load_model(settings["teacher_init"])(x)[..., :V].flatten(0, 1).double() / T, -1)
+        p = torch.cat((p, (1 - t_full.gather(-1, ids).sum(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).eps)), -1)
         q = torch.cat((q, (1 - q.sum(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).eps)), -1)
     p = p / p.sum(-1, keepdim=True)
 
@@ -73,8 +76,12 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("topk")
     data, teacher, student = make_data(d / "data"), save_model(d / "teacher.pt", seed=1, out_scale=15.0), save_model(
         d / "student.pt", seed=3, out_scale=3.0)
+    # a teacher sure of its top 8 (its median mass outside them 5e-7), where float16's rounding of their
+    # log-probs outweighs the rest that 1 - their sum would give
+    sure = save_model(d / "sure.pt", seed=1, out_scale=100.0)
     common = dict(COMMON, data_dir=data, teacher_init=teacher, init_from=student, max_iters=3)
-    stores = {"full": dict(teacher_topk=V), "full_T2": dict(teacher_topk=V, kd_temperature=2.0), "k8": dict(teacher_topk=8)}
+    stores = {"full": dict(teacher_topk=V), "full_T2": dict(teacher_topk=V, kd_temperature=2.0), "k8": dict(teacher_topk=8),
+              "k8_sure": dict(teacher_topk=8, teacher_init=sure)}
     cases = {  # name: (store or None for online, settings)
         **{f"{kind}_{src or 'online'}": (src, dict(kd_divergence=kind)) for kind in ("fkl", "rkl", "skl") for src in (None, "full")},
         "jsd_online": (None, dict(kd_divergence="jsd", jsd_beta=0.3)),
@@ -82,9 +89,9 @@ def runs(tmp_path_factory):
         "fkl_T2_online": (None, dict(kd_divergence="fkl", kd_temperature=2.0)),
         "fkl_T2_full": ("full_T2", dict(kd_divergence="fkl", kd_temperature=2.0)),
         "fkl_k8": ("k8", dict(kd_divergence="fkl")), "jsd_k8": ("k8", dict(kd_divergence="jsd", jsd_beta=0.3)),
-        "rkl_k8": ("k8", dict(kd_divergence="rkl")),
+        "rkl_k8": ("k8", dict(kd_divergence="rkl")), "rkl_k8_sure": ("k8_sure", dict(kd_divergence="rkl", teacher_init=sure)),
     }
-    out = {"data": data, "teacher": teacher, "student": student, "common": common, "dir": d, "cases": cases}
+    out = {"data": data, "teacher": teacher, "sure": sure, "student": student, "common": common, "dir": d, "cases": cases}
     jobs = [("kd_train.py", dict(writing(common), out_dir=str(d / f"w_{s}"), topk_write=True, teacher_topk_dir=str(d / s), **kw))
             for s, kw in stores.items()]
     for name, (store, kw) in cases.items():
@@ -110,7 +117,8 @@ def test_full_store_equals_online_kd(runs, kind):
     assert online[0]["class_loss"] == stored[0]["class_loss"]  # same windows, same student
 
 
-@pytest.mark.parametrize("case", ["fkl_full", "rkl_full", "skl_full", "jsd_full", "fkl_T2_full", "fkl_k8", "rkl_k8", "jsd_k8"])
+@pytest.mark.parametrize("case", ["fkl_full", "rkl_full", "skl_full", "jsd_full", "fkl_T2_full", "fkl_k8", "rkl_k8", "jsd_k8",
+                                  "rkl_k8_sure"])
 def test_first_step_against_bucket_formula(runs, case):
     store, kw = runs["cases"][case]
     first = train_lines(read_log(runs["dir"] / case))[0]
@@ -124,6 +132,18 @@ def test_top8_store(runs):
     assert ids.dtype == np.uint16 and logp.dtype == np.float16 and ids.shape == (meta["n_windows"] * 32, 8)
     assert (np.diff(logp.astype(np.float32), axis=1) <= 0).all()  # sorted, likeliest first
     assert np.exp(logp.astype(np.float64)).sum(1).max() < 1 + 2e-3
+    # the rest, the teacher's mass outside its top 8, summed in float32 as it is written; where the teacher
+    # is sure, 1 - sum(top 8) of the float16 values is mostly their rounding
+    for store, teacher, off in (("k8", runs["teacher"], 0.01), ("k8_sure", runs["sure"], 1.0)):
+        _, ids, logp, rest = read_store(runs["dir"] / store, rest=True)
+        windows, x = first_windows(runs["data"], 0, 32, 4)
+        rows = (windows[:, None] * 32 + torch.arange(32)).flatten().numpy()
+        with torch.no_grad():
+            t = F.log_softmax(load_model(teacher)(x)[..., :V].flatten(0, 1).double(), -1)
+        true = t.scatter(-1, torch.from_numpy(ids[rows].astype(np.int64)), -np.inf).logsumexp(-1).numpy()
+        np.testing.assert_allclose(rest[rows], true, rtol=1e-4)
+        rebuilt = np.log(np.clip(1 - np.exp(logp[rows].astype(np.float64)).sum(1), 1e-300, None))
+        assert (np.median(np.abs(rebuilt - true)) > off) == (store == "k8_sure"), store
     # the top-k of a distribution covers at most its mass: KD over k + 1 buckets is below the full one
     assert train_lines(read_log(runs["dir"] / "fkl_k8"))[0]["kd_loss"] < train_lines(read_log(runs["dir"] / "fkl_online"))[0]["kd_loss"]
 
@@ -232,7 +252,10 @@ def test_refusals(runs, tmp_path):
     for meta_file in (bare_store / "meta.json", tmp_path / "short" / "meta.json"):
         meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "data": None}))
     rewritten = shutil.copytree(d / "resumed", tmp_path / "rewritten")  # (a refusal writes nothing: a copy all the same)
+    no_rest = shutil.copytree(store, tmp_path / "no_rest")
+    os.remove(no_rest / "rest.bin")
     cases = [
+        (dict(common, teacher_topk_dir=str(no_rest)), "has rest.bin missing or of another size than its meta.json says"),
         (dict(common, teacher_topk_dir=str(bare_store), data_dir=short), "holds 255 windows, the train split of"),
         (dict(common, teacher_topk_dir=store, data_dir=other_data), "other data"),
         (dict(common, teacher_topk_dir=store, data_dir=other_tok), "another tokenizer"),
@@ -265,6 +288,13 @@ def test_refusals(runs, tmp_path):
     meta["tokenizer"] = {**meta["tokenizer"], "files": meta["tokenizer"]["files"] + ["chat_template.jinja"]}
     (listed / "meta.json").write_text(json.dumps(meta))
     run("kd_train.py", **dict(common, teacher_topk_dir=str(listed), max_iters=1, out_dir=str(tmp_path / "listed_run")))
+    # a store written before its rest was: read with 1 - sum(top k), and said to be
+    old = tmp_path / "old"
+    shutil.copytree(store, old)
+    os.remove(old / "rest.bin")
+    (old / "meta.json").write_text(json.dumps({k: v for k, v in json.loads((old / "meta.json").read_text()).items() if k != "rest"}))
+    r = run("kd_train.py", **dict(common, teacher_topk_dir=str(old), max_iters=1, out_dir=str(tmp_path / "old_run")))
+    assert "was written before its rest (the teacher's mass outside its top 8) was stored" in r.stdout
     results = run_early_exits("kd_train.py", [(settings, None) for settings, _ in cases])
     for (settings, words), r in zip(cases, results):
         assert r.returncode == 2, (settings, r.stderr)
