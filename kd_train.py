@@ -443,6 +443,10 @@ if init_from != "resume":
         model_args.__post_init__()  # validates the LoRA targets
     except ValueError as e:
         fail(str(e))
+# the longest window the student's weights have trained on: from scratch, block_size's positions alone
+# (sample.py says so past them); a source of another kind, its own max_seq_len
+source_ckpt = ckpt if init_from == "resume" else model_sources.get("init_from", (None, {}))[1]
+trained_context = block_size if init_from == "scratch" else max(block_size, source_ckpt.get("trained_context", model_args.max_seq_len))
 if from_store:  # the stop ids the teacher had when its store was written (a store from before they were recorded: none)
     teacher_args, teacher_state, teacher_stops = None, None, store_meta.get("stop_ids")
 else:
@@ -1179,7 +1183,8 @@ def save_checkpoint():
              "weights_averaged": bool(ema_decay) and iter_num == max_iters,  # the loop's end replaced them
              "store_k": store_meta["k"] if from_store else None,
              "teacher_val_loss": teacher_val_loss, "teacher_digest": teacher_digest, "tokenizer": data_tokenizer,
-             "data": data_meta.get("data"), "stop_ids": source_stops, "generation": generation, "rng": rngs}
+             "data": data_meta.get("data"), "stop_ids": source_stops, "generation": generation, "rng": rngs,
+             "trained_context": trained_context}
     save_training_checkpoint(model, [optimizer], small, out_dir, sharded_checkpoint)
 
 
@@ -1563,8 +1568,8 @@ if master_process:
         save_adapter(adapter_state_dict(cpu_state), model_args, os.path.join(out_dir, "adapter"))
     if not save_adapter_only:
         atomic_save({"model": merged, "model_args": vars(merged_args).copy(), "iter_num": iter_num, "config": config,
-                     "tokenizer": data_tokenizer, "stop_ids": source_stops, "generation": generation},
-                    os.path.join(out_dir, "model.pt"))
+                     "tokenizer": data_tokenizer, "stop_ids": source_stops, "generation": generation,
+                     "trained_context": trained_context}, os.path.join(out_dir, "model.pt"))
     tokenizer_files = [os.path.join(out_dir, f) for f in (data_tokenizer or {}).get("files", [])]
     provenance = {"tokenizer": data_tokenizer, "data": data_meta.get("data"), "iter_num": iter_num, "config": config,
                   "stop_ids": source_stops, "generation": generation}
@@ -1600,7 +1605,7 @@ if quant_bits is not None:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
                      "range_learning": range_learning, "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer,
-                     "stop_ids": source_stops}, os.path.join(out_dir, "quantized.pt"))
+                     "stop_ids": source_stops, "trained_context": trained_context}, os.path.join(out_dir, "quantized.pt"))
         if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
             pte = os.path.join(out_dir, "model.pte")
             print(f"exported: {pte_summary(pte, model_args, export_executorch(qmodel.to('cpu'), pte))}")

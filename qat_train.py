@@ -277,6 +277,9 @@ if init_from != "scratch":
         model_args.lora_rank = 0
         if master_process:
             print(f"note: {init_from} holds LoRA adapters; they are merged into the weights before QAT")
+# the longest window the weights have trained on: a model from scratch has seen block_size's positions alone
+# (sample.py says so past them); a source of another kind, its own max_seq_len
+trained_context = block_size if init_from == "scratch" else max(block_size, ckpt.get("trained_context", model_args.max_seq_len))
 if data_meta["vocab_size"] > model_args.vocab_size:
     fail(f"the data in {data_dir} uses {data_meta['vocab_size']} token ids but the model has only {model_args.vocab_size}; prepare the data with the model's tokenizer")
 if model_args.vocab_size - data_meta["vocab_size"] >= 1024:  # rows past the tokenizer's are padding, never this many
@@ -739,7 +742,8 @@ def save_checkpoint():
     dist.all_gather_object(rngs, {"cpu": torch.get_rng_state(),
                                   "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None})
     small = {"script": "qat_train.py", "model_args": vars(model_args).copy(), "iter_num": iter_num,
-             "epoch": iter_num // max(steps_per_epoch, 1), "config": config, "quantizer": quantizer, "group_size": group_size,
+             "trained_context": trained_context, "epoch": iter_num // max(steps_per_epoch, 1), "config": config,
+             "quantizer": quantizer, "group_size": group_size,
              # how these weights were trained (the last step taken), as ckpt_fake_quant reads it
              "fake_quant": iter_num > 0 and fake_quant_on(iter_num - 1),
              "weights_averaged": bool(ema_decay) and iter_num == max_iters,  # the loop's end replaced them
@@ -1129,7 +1133,7 @@ if quant_bits is not None:
         atomic_save({"model": qmodel.state_dict(), "model_args": vars(model_args).copy(), "quantizer": quantizer,
                      "group_size": group_size, "quantize_embedding": quantize_embedding, "quant_skip": quant_skip,
                      "range_learning": range_learning, "iter_num": iter_num, "config": config, "tokenizer": data_tokenizer,
-                     "stop_ids": source_stops},
+                     "trained_context": trained_context, "stop_ids": source_stops},
                     os.path.join(out_dir, "quantized.pt"))
         if export_format == "pte":  # the converted model as an ExecuTorch program, for CPUs and phones
             pte = os.path.join(out_dir, "model.pte")

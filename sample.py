@@ -72,10 +72,12 @@ if os.path.isfile(ckpt_file):  # training checkpoints record the fingerprint of 
         ckpt = None
     recorded = ckpt.get("tokenizer") if isinstance(ckpt, dict) else None
     source_stops = source_stop_ids(init_from, ckpt) if isinstance(ckpt, dict) else []
+    trained_context = ckpt.get("trained_context") if isinstance(ckpt, dict) else None  # (older checkpoints: none)
     del ckpt
 else:  # an HF or Meta directory: the tokenizer its nanotune.json records, or its own tokenizer file
     recorded = tokenizer_of(init_from, None, tok.kind)
     source_stops = source_stop_ids(init_from, None)
+    trained_context = None
 # generation stops at the EOS, and where the source model says it stops too (an Instruct model's end of turn)
 stops = stop_ids({"eos_id": tok.eos_id, "tokenizer": {"kind": tok.kind}, "vocab_size": tok.vocab_size}, source_stops)
 if recorded and (diff := tokenizer_mismatch(recorded, tok.fingerprint())):
@@ -135,6 +137,10 @@ if not ids:
     raise SystemExit("error: --start is empty and the tokenizer has no BOS to start from; give a prompt")
 if len(ids) > args.max_seq_len:  # generate would read its last max_seq_len tokens alone, BOS and all dropped
     raise SystemExit(f"error: the prompt is {len(ids)} tokens, longer than {init_from}'s context of {args.max_seq_len}; shorten --start")
+if trained_context and len(ids) + max_new_tokens > trained_context:
+    print(f"note: {init_from} was trained on windows of at most {trained_context} tokens (a model from scratch knows no "
+          f"later positions), and the prompt and {max_new_tokens} new tokens reach {len(ids) + max_new_tokens}: expect "
+          f"the text to degrade past it", file=sys.stderr)
 x = torch.tensor([ids], dtype=torch.long, device=device)
 print(f"{init_from}: {'quantized' if quantized else 'full precision'}, {sum(p.numel() for p in model.parameters()):,} parameters, "
       f"computing in {', '.join(sorted({str(p.dtype).removeprefix('torch.') for p in model.parameters()}))}")

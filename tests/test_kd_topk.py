@@ -203,6 +203,10 @@ def test_student_from_scratch_takes_the_stores_stop_ids(runs, tmp_path):
                         ("kd_train.py", dict(scratch, out_dir=str(tmp_path / "s")))], tmp_path)
     assert read_store(store)[0]["stop_ids"] == [7, 2]
     assert torch.load(tmp_path / "s" / "ckpt.pt", weights_only=True)["stop_ids"] == [7, 2]
+    # and its windows' length as all the context it knows (sample.py says so past it); a student from a
+    # checkpoint that records none, that checkpoint's max_seq_len
+    assert torch.load(tmp_path / "s" / "ckpt.pt", weights_only=True)["trained_context"] == 32
+    assert torch.load(runs["dir"] / "rkl_k8" / "ckpt.pt", weights_only=True)["trained_context"] == 256
     # a store from before they were recorded: the student stops at the data's EOS alone, and says how to fix it
     meta = json.loads((store / "meta.json").read_text())
     del meta["stop_ids"]

@@ -261,6 +261,15 @@ def test_sample_decodes_with_the_checkpoints_tokenizer_only(llama32, tmp_path):
     # a converted model computes in the dtype it was converted in; another one asked for is refused
     r = run("sample.py", init_from=str(out / "quantized.pt"), start="def f(x):", num_samples=1, max_new_tokens=3)
     assert "quantized" in r.stdout and "computing in float32" in r.stdout, r.stdout
+    # a model from scratch knows its training windows' positions alone: sampling past them is said to go where
+    # it never trained; a finetune of an HF model takes that model's context (128 here) as known
+    scratch = tmp_path / "scratch"
+    run("qat_train.py", preset="toy", data_dir=str(data), out_dir=str(scratch), **{**TRAIN, "max_iters": 1})
+    finetuned = torch.load(out / "ckpt.pt", weights_only=True)["trained_context"]
+    assert torch.load(scratch / "ckpt.pt", weights_only=True)["trained_context"] == 32 and finetuned == 128
+    for init, n, said in ((scratch / "quantized.pt", 40, True), (scratch / "quantized.pt", 5, False), (out / "ckpt.pt", 100, False)):
+        r = run("sample.py", init_from=str(init), start="def f(x):", num_samples=1, max_new_tokens=n)
+        assert ("trained on windows of at most 32 tokens" in r.stderr) == said, r.stderr[-2000:]
     r = run("sample.py", check=False, init_from=str(out / "quantized.pt"), dtype="bfloat16", max_new_tokens=3)
     assert r.returncode != 0 and "is a converted model, which computes in torch.float32; drop --dtype" in r.stderr, r.stderr[-2000:]
     r = run("sample.py", check=False, init_from=str(out / "quantized.pt"), dtype="float16")
