@@ -334,7 +334,7 @@ def test_packed_sample_whose_prompt_fills_a_row_is_skipped(sp_model, tmp_path):
     assert meta["train_docs"] + meta["val_docs"] == 20
 
 
-def test_json_files_are_records(sp_model, tmp_path):
+def test_json_files_are_records(sp_model, tmp_path, capsys):
     records = [{"text": f"document {i} " + "words " * i} for i in range(30)]
     (tmp_path / "array.json").write_text(json.dumps(records, indent=1))  # an array across many lines
     (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -344,6 +344,11 @@ def test_json_files_are_records(sp_model, tmp_path):
         ids = np.fromfile(tmp_path / name.split(".")[0] / "train.bin", dtype=np.uint16)
         sp = spm.SentencePieceProcessor(model_file=str(sp_model))
         assert "{" not in sp.decode(ids.tolist()) and sp.decode(split_docs(ids, 2)[0].tolist()).startswith("document")
+    # records with nothing to train on are left out, and counted
+    (tmp_path / "empty.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records + [{"text": ""}, {"text": ""}]))
+    meta = prepare([tmp_path / "empty.jsonl"], tmp_path / "empty", tokenizer=sp_model, num_proc=1)
+    assert meta["train_docs"] + meta["val_docs"] - meta["cut_docs"] == 30
+    assert "note: 2 records with nothing in them left out: " in capsys.readouterr().out
 
 
 def test_long_file_is_read_in_pieces_at_line_boundaries(tmp_path, monkeypatch):
@@ -526,6 +531,7 @@ def test_killed_runs_temp_folder_is_named(corpus, tmp_path, capsys):
     ("malformed_jsonl", r"bad\.jsonl line 3 is malformed JSON"),
     ("jsonl_fields", r'bad\.jsonl line 2 has keys prompt: a record needs a "text" string, or "prompt" and "response"'),
     ("both_shapes", r'bad\.jsonl line 1 has keys prompt, response, text: .* not both'),
+    ("pair_and_other_text", r'bad\.jsonl line 2 has keys prompt, response, text: .* not both'),  # its text was dropped
     ("alpaca", r'bad\.jsonl line 1 has keys input, instruction, output'),
     ("lone_surrogate", r"bad\.jsonl line 2 holds a lone surrogate \(an escape such as \\ud83d without its pair\)"),
     ("json_neither", r"bad\.json line 1 is neither a JSON array of records nor JSON lines"),
@@ -564,11 +570,13 @@ def test_errors(case, message, corpus, tmp_path, monkeypatch):
         "json_bad_array": [tmp_path / "bad.json"],
         "sft_without_block_size": [tmp_path / "sft.jsonl"],
         "long_text_in_sft": [tmp_path / "sft.jsonl", tmp_path / "long.txt"],
-    }.get(case, [bad] if case in ("malformed_jsonl", "jsonl_fields", "both_shapes", "alpaca", "lone_surrogate") else [root])
+    }.get(case, [bad] if case in ("malformed_jsonl", "jsonl_fields", "both_shapes", "pair_and_other_text", "alpaca",
+                                  "lone_surrogate") else [root])
     bad.write_text({
         "malformed_jsonl": '{"text": "a"}\n{"text": "b"}\n{"text": "c",,}\n',
         "jsonl_fields": '{"text": "a"}\n{"prompt": "only a prompt"}\n',
         "both_shapes": '{"text": "a", "prompt": "b", "response": "c"}\n',
+        "pair_and_other_text": '{"text": "a"}\n{"prompt": "a", "response": "b", "text": 5}\n',
         "alpaca": '{"instruction": "a", "input": "", "output": "c"}\n',
         "lone_surrogate": '{"text": "a"}\n{"text": "half a pair: \\ud83d"}\n',
     }.get(case, ""))
