@@ -58,7 +58,8 @@ is cut for the rest. Val so gets between half and all of what was asked, in char
 in tokens). Known bias: a document that would pass the goal is skipped for later ones that fit, so
 val's whole documents run shorter than train's (0.67-0.69 of the mean length over 50 lognormal corpora
 of 400-1000 samples at 1-2%; 0.91-0.98 with 2,000-5,000). Every figure in the README was measured on
-this split, so it stays until they are measured again on an unbiased one. Only fine-tuning samples too few or too big to split finely (say three at 1%) can miss:
+this split, so it stays until they are measured again on an unbiased one. Only fine-tuning samples
+too few or too big to split finely (say three at 1%) can miss:
 val still gets one and train keeps the rest, and a warning is printed. The split is a pure function
 of the input, so reruns give the same one; meta.json keeps the shares.
 
@@ -381,9 +382,9 @@ def _check_added_tokens(config, path, token_at, added):
                                 f"where the data split it as any text; list it in the file's added_tokens too, or drop "
                                 f"the entry from the config")
         flags = {k: want[k] for k in ("lstrip", "rstrip", "single_word") if k in want}
-        if flags != {k: getattr(have, k) for k in flags}:
+        if flags != (own := {k: getattr(have, k) for k in flags}):
             raise DataPrepError(f"{folder}/tokenizer_config.json gives added token {content!r} {flags}, {path} "
-                                f"{ {k: getattr(have, k) for k in flags} }: transformers takes the config's, which split "
+                                f"{own}: transformers takes the config's, which split "
                                 f"the text around it otherwise than the data was; make them agree")
 
 
@@ -735,7 +736,7 @@ def _record_documents(path, key, empty):
         keys = record.keys() if isinstance(record, dict) else ()
         text = isinstance(record, dict) and isinstance(record.get("text"), str)
         pair = isinstance(record, dict) and all(isinstance(record.get(k), str) for k in ("prompt", "response"))
-        if text == pair or (text and ("prompt" in keys or "response" in keys)) or (pair and "text" in keys):
+        if text == pair or "text" in keys and keys & {"prompt", "response"}:
             raise DataPrepError(f'{where} has {"keys " + ", ".join(sorted(keys)) if keys else "no object"}: a record '
                                 f'needs a "text" string, or "prompt" and "response" strings, not both')
         if any(SURROGATE.search(s) for s in ((record["text"],) if text else (record["prompt"], record["response"]))):
